@@ -1,0 +1,72 @@
+"""The algorithm zoo: advantage estimators, policy losses, reductions, KL, presets, as pure tensor functions.
+
+    import rlbench.algorithms as A
+    A.names()                              # presets; A.names("loss"), A.names("advantage")
+    alg = A.get("dapo")                    # an Algorithm: parts + hyperparameters + what the step needs
+    print(A.describe("gspo"))              # formula, paper, hyperparameters
+
+    @A.register_loss("my_loss")
+    def my_loss(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None, beta=0.1): ...
+    mine = A.get("grpo").replace(name="mine", loss=my_loss)
+
+This package imports only torch and the standard library.
+"""
+
+from . import advantages, losses, presets  # noqa: F401  (registration)
+from .core import (
+    KL_KINDS,
+    REDUCTIONS,
+    AdaptiveKL,
+    aggregate,
+    entropy_from_logits,
+    kl,
+    kl_in_reward,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    value_loss,
+)
+from .correction import RolloutCorrection, mismatch_metrics
+from .registry import (
+    Algorithm,
+    advantage_fn,
+    describe,
+    get,
+    hyperparameters,
+    loss_fn,
+    loss_reduction,
+    names,
+    register_advantage,
+    register_algorithm,
+    register_loss,
+)
+from .sampling import filter_groups, overlong_penalty
+
+__all__ = [
+    "KL_KINDS",
+    "REDUCTIONS",
+    "AdaptiveKL",
+    "Algorithm",
+    "RolloutCorrection",
+    "advantage_fn",
+    "aggregate",
+    "describe",
+    "entropy_from_logits",
+    "filter_groups",
+    "get",
+    "hyperparameters",
+    "kl",
+    "kl_in_reward",
+    "loss_fn",
+    "loss_reduction",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "mismatch_metrics",
+    "names",
+    "overlong_penalty",
+    "register_advantage",
+    "register_algorithm",
+    "register_loss",
+    "value_loss",
+]

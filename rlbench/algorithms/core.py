@@ -1,0 +1,190 @@
+"""Shared tensor math: masked statistics, the loss reduction, KL estimators, entropy, the critic loss.
+
+Notation (ALGORITHMS.md): ``B`` responses, ``T`` response tokens, ``mask_B_T`` is 1 on tokens the policy
+generated. Every function here is pure and works on any device and float dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+REDUCTIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``Σ x·m / (Σ m + 1e-8)`` over ``dim`` (over everything when ``dim`` is None), verl's ``masked_mean``."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum(dim=dim) / (mask.sum(dim=dim) + 1e-8)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unbiased masked variance ``masked_mean((x - mean)², m) · N/(N-1)`` with ``N = Σ m``.
+
+    Like verl, fewer than two valid elements is an error (the unbiased variance does not exist).
+    """
+    n = mask.to(x.dtype).sum()
+    if n < 2:
+        raise ValueError(f"masked_var needs at least 2 valid elements, got {int(n)}")
+    centered = x - masked_mean(x, mask)
+    return masked_mean(centered**2, mask) * n / (n - 1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(x - masked_mean) · rsqrt(masked_var + 1e-8)``, statistics over the whole batch."""
+    return (x - masked_mean(x, mask)) * torch.rsqrt(masked_var(x, mask) + 1e-8)
+
+
+def group_index(group_ids_B, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense group index ``g_B`` in ``[0, G)`` for arbitrary integer ids, and the group sizes ``n_G``."""
+    _, g_B = torch.unique(torch.as_tensor(group_ids_B, device=device), return_inverse=True)
+    return g_B, torch.bincount(g_B)
+
+
+def _count(n, like: torch.Tensor) -> torch.Tensor:
+    """A token or sequence count as a tensor, at least 1 (an empty batch reduces to 0, not NaN)."""
+    return torch.as_tensor(n, dtype=like.dtype, device=like.device).clamp(min=1)
+
+
+def aggregate(
+    loss_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    num_tokens=None,
+    num_seqs=None,
+    norm_length: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar (ALGORITHMS.md §3).
+
+        token-mean               Σ L·m / N
+        token-sum                Σ L·m
+        seq-mean-token-sum       Σ_i (Σ_t L·m) / B
+        seq-mean-token-mean      Σ_i (Σ_t L·m / (Σ_t m + 1e-8)) / B     (original GRPO, GSPO)
+        seq-mean-token-sum-norm  Σ L·m / (B·T_norm)                     (Dr.GRPO, arXiv:2503.20783)
+
+    ``num_tokens`` (N) and ``num_seqs`` (B) are the counts of the whole mini-batch across ranks; the trainer
+    passes them when it splits the mini-batch into micro-batches, so that the summed micro-batch losses equal
+    the mini-batch loss whatever the split. They default to this tensor's own counts (``mask.sum()``, rows).
+    ``norm_length`` is ``T_norm`` (default ``mask.shape[-1]``: pass a constant when micro-batches are padded
+    to different lengths).
+    """
+    mask_B_T = mask_B_T.to(loss_B_T.dtype)
+    token_sum_B = (loss_B_T * mask_B_T).sum(-1)
+    seqs = _count(loss_B_T.shape[0] if num_seqs is None else num_seqs, loss_B_T)
+    if mode == "token-mean":
+        return token_sum_B.sum() / _count(mask_B_T.sum() if num_tokens is None else num_tokens, loss_B_T)
+    if mode == "token-sum":
+        return token_sum_B.sum()
+    if mode == "seq-mean-token-sum":
+        return token_sum_B.sum() / seqs
+    if mode == "seq-mean-token-mean":
+        return (token_sum_B / (mask_B_T.sum(-1) + 1e-8)).sum() / seqs
+    if mode == "seq-mean-token-sum-norm":
+        return token_sum_B.sum() / (seqs * (mask_B_T.shape[-1] if norm_length is None else norm_length))
+    raise ValueError(f"unknown reduction mode {mode!r}; valid: {', '.join(REDUCTIONS)}")
+
+
+def _k3(diff: torch.Tensor) -> torch.Tensor:
+    kappa = torch.clamp(-diff, -20, 20)  # ref_logp - logp
+    return torch.clamp(torch.exp(kappa) - kappa - 1, -10, 10)
+
+
+_KL_ESTIMATORS = {"k1": lambda d: d, "abs": torch.abs, "k2": lambda d: 0.5 * d.square(), "k3": _k3}
+
+
+def kl(logp_B_T: torch.Tensor, ref_logp_B_T: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference, ``k = logp - ref_logp``.
+
+        k1 = k      abs = |k|      k2 = ½k²      k3 = clamp(e^κ - κ - 1, -10, 10),  κ = clamp(-k, -20, 20)
+
+    A ``+`` suffix (``"k3+"``) is straight-through: the value of the base estimator, the gradient of k2
+    (the unbiased gradient of KL). Schulman, "Approximating KL divergence" (2020); k3 is GRPO's choice
+    (arXiv:2402.03300).
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(KL_KINDS)}")
+    diff_B_T = logp_B_T - ref_logp_B_T
+    value_B_T = _KL_ESTIMATORS[kind.removesuffix("+")](diff_B_T)
+    if not kind.endswith("+"):
+        return value_B_T
+    k2_B_T = 0.5 * diff_B_T.square()
+    return k2_B_T - k2_B_T.detach() + value_B_T.detach()
+
+
+def kl_in_reward(
+    rewards_B_T: torch.Tensor,
+    logp_B_T: torch.Tensor,
+    ref_logp_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    *,
+    coef: float,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL in the reward, PPO's way: ``r_t ← r_t - β·kl_t`` on valid tokens.
+
+    ``logp_B_T`` are the log-probs of the policy that produced the batch. Returns the penalised rewards and
+    the batch KL ``mean_i masked_mean_t(kl)`` (detached), the value ``AdaptiveKL.update`` expects.
+    """
+    kl_B_T = kl(logp_B_T, ref_logp_B_T, kind) * mask_B_T.to(logp_B_T.dtype)
+    batch_kl = masked_mean(kl_B_T, mask_B_T, dim=-1).mean()
+    return rewards_B_T - coef * kl_B_T, batch_kl.detach()
+
+
+@dataclass
+class AdaptiveKL:
+    """The KL-in-reward coefficient β, fixed (``target=None``) or adaptive (Ziegler et al., arXiv:1909.08593).
+
+        β ← β·(1 + clip(KL/target - 1, -0.2, 0.2)·n/horizon)
+
+    ``n`` is the number of responses the KL was measured on.
+    """
+
+    coef: float
+    """Current β."""
+    target: float | None = 0.1
+    """Target KL; None keeps β fixed."""
+    horizon: float = 10000
+    """Responses over which β may change by at most 20%."""
+
+    def update(self, kl_value: float, n_steps: int) -> float:
+        """Move β toward the target KL and return it."""
+        if self.target is not None:
+            error = min(max(float(kl_value) / self.target - 1.0, -0.2), 0.2)
+            self.coef *= 1.0 + error * n_steps / self.horizon
+        return self.coef
+
+
+def entropy_from_logits(logits_B_T_V: torch.Tensor) -> torch.Tensor:
+    """Token entropy ``H = logsumexp(z) - Σ softmax(z)·z`` from logits ``z`` over the vocabulary."""
+    probs_B_T_V = torch.softmax(logits_B_T_V, dim=-1)
+    return torch.logsumexp(logits_B_T_V, dim=-1) - (probs_B_T_V * logits_B_T_V).sum(-1)
+
+
+def value_loss(
+    values_B_T: torch.Tensor,
+    old_values_B_T: torch.Tensor,
+    returns_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    *,
+    clip_range: float = 0.5,
+    mode: str = "token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    norm_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped critic loss ``½·agg(max((v - R)², (clip(v, v_old - c, v_old + c) - R)²))`` (PPO, arXiv:1707.06347).
+
+    Metrics: ``vf_clip_frac``, the fraction of valid tokens where the clipped term is the larger.
+    """
+    clipped_B_T = torch.clamp(values_B_T, old_values_B_T - clip_range, old_values_B_T + clip_range)
+    unclipped_loss_B_T = (values_B_T - returns_B_T) ** 2
+    clipped_loss_B_T = (clipped_B_T - returns_B_T) ** 2
+    loss_B_T = torch.maximum(unclipped_loss_B_T, clipped_loss_B_T)
+    loss = 0.5 * aggregate(
+        loss_B_T, mask_B_T, mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length
+    )
+    clip_frac = masked_mean((clipped_loss_B_T > unclipped_loss_B_T).to(loss_B_T.dtype), mask_B_T)
+    return loss, {"vf_loss": loss.detach(), "vf_clip_frac": clip_frac.detach()}

@@ -1,0 +1,91 @@
+"""The named presets of ALGORITHMS.md §8: ``rlbench.algorithms.get(name)``.
+
+A preset lists only what differs from the defaults of its parts (so ``get("grpo").replace(loss=my_loss)``
+does not hand ``my_loss`` hyperparameters it never declared). Where the page says "per paper", the choice
+is the paper's setting as run in verl's examples; each is stated in the description.
+"""
+
+from __future__ import annotations
+
+from . import advantages, losses  # noqa: F401  (registers the parts named below)
+from .registry import register_algorithm
+
+register_algorithm(
+    "grpo", advantage="grpo", loss="ppo_clip", reduction="seq-mean-token-mean", kl_coef=0.001,
+    description="GRPO (arXiv:2402.03300): group-normalised advantage, PPO clip 0.2, k3 KL loss 0.001.",
+)
+register_algorithm(
+    "dr_grpo", advantage="grpo", loss="ppo_clip", reduction="seq-mean-token-sum-norm",
+    advantage_kwargs={"norm_by_std": False},
+    description="Dr.GRPO (arXiv:2503.20783): GRPO without std scaling or length normalisation, no KL.",
+)
+register_algorithm(
+    "dapo", advantage="grpo", loss="ppo_clip", loss_kwargs={"clip_high": 0.28, "clip_c": 10.0},
+    filter_groups=True, overlong_buffer=0.2, overlong_factor=1.0,
+    description="DAPO (arXiv:2503.14476): clip-higher 0.2/0.28, token-mean, dynamic sampling, overlong "
+    "shaping (buffer 20% of the max length, factor 1), no KL.",
+)
+register_algorithm(
+    "gspo", advantage="grpo", loss="gspo", reduction="seq-mean-token-mean",
+    description="GSPO (arXiv:2507.18071): sequence-ratio clipping, eps 3e-4/4e-4, no KL.",
+)
+register_algorithm(
+    "rloo", advantage="rloo", loss="ppo_clip",
+    description="RLOO (arXiv:2402.14740): leave-one-out baseline, PPO clip, token-mean.",
+)
+register_algorithm(
+    "reinforce_pp", advantage="reinforce_plus_plus", loss="ppo_clip", reward_kl_coef=0.001,
+    description="REINFORCE++ (arXiv:2501.03262): whitened token returns, fixed k1 KL in the reward (0.001).",
+)
+register_algorithm(
+    "reinforce_pp_baseline", advantage="reinforce_plus_plus_baseline", loss="ppo_clip", reward_kl_coef=0.001,
+    description="REINFORCE++ with group baseline (arXiv:2501.03262), fixed k1 KL in the reward (0.001).",
+)
+register_algorithm(
+    "remax", advantage="remax", loss="ppo_clip", needs_greedy_baseline=True,
+    description="ReMax (arXiv:2310.10505): greedy-rollout baseline, PPO clip, token-mean.",
+)
+register_algorithm(
+    "ppo", advantage="gae", loss="ppo_clip", needs_critic=True,
+    description="PPO (arXiv:1707.06347) with a critic and GAE (gamma 1, lambda 1, verl's defaults).",
+)
+register_algorithm(
+    "cispo", advantage="grpo", loss="cispo",
+    description="CISPO (MiniMax-M1, arXiv:2506.13585): clipped IS weight, no lower clip, eps_high 0.2, "
+    "token-mean, no KL.",
+)
+register_algorithm(
+    "gmpo", advantage="grpo", loss="gmpo",
+    description="GMPO (arXiv:2507.20673): geometric-mean ratio, log-space clip 0.4, sequence mean, no KL.",
+)
+register_algorithm(
+    "sapo", advantage="grpo", loss="sapo",
+    description="SAPO (arXiv:2511.20347): sigmoid-gated ratio (tau 1.0/1.05), seq-mean-token-mean, no KL.",
+)
+register_algorithm(
+    "gpg", advantage="gpg", loss="gpg",
+    description="GPG (arXiv:2504.02546): rescaled group baseline, plain policy gradient, token-mean, no KL.",
+)
+register_algorithm(
+    "clip_cov", advantage="grpo", loss="clip_cov",
+    description="Clip-Cov (arXiv:2505.22617): PPO clip, high-covariance tokens lose their gradient, token-mean.",
+)
+register_algorithm(
+    "kl_cov", advantage="grpo", loss="kl_cov",
+    description="KL-Cov (arXiv:2505.22617): KL penalty 0.1 on high-covariance tokens, token-mean.",
+)
+register_algorithm(
+    "opo", advantage="opo", loss="ppo_clip",
+    description="OPO (arXiv:2505.23585): length-weighted baseline; the paper trains exactly on-policy "
+    "(one optimizer step per batch), token-mean, no KL.",
+)
+register_algorithm(
+    "grpo_passk", advantage="grpo_passk", loss="ppo_clip",
+    description="Pass@k GRPO (arXiv:2503.19595): only each group's best sample is reinforced, token-mean.",
+)
+register_algorithm(
+    "dppo", advantage="grpo", loss="dppo_tv", reduction="seq-mean-token-sum-norm",
+    advantage_kwargs={"norm_by_std": False},
+    description="DPPO (arXiv:2602.04879): total-variation trust region 0.15, ratio cap 20, GRPO advantage "
+    "without std, seq-mean-token-sum-norm, no KL (verl's example).",
+)

@@ -1,0 +1,328 @@
+"""Names → parts, and ``Algorithm``: the record that bundles the parts an RL step needs.
+
+Three registries: advantage estimators, policy losses, algorithms (presets). A name is taken once:
+registering it again with the same object is a no-op, with a different one a ``ValueError``. One exception
+keeps notebooks re-runnable: a function defined in ``__main__`` (a notebook cell or a script) replaces an
+earlier ``__main__`` function of the same ``__qualname__`` under the same name, and an algorithm registered
+from ``__main__`` replaces one registered from ``__main__`` under the same name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from .core import KL_KINDS, REDUCTIONS, AdaptiveKL, aggregate, kl
+from .correction import RolloutCorrection
+
+# Keyword arguments every advantage / loss receives from the trainer: data, not hyperparameters.
+_DATA_KEYWORDS = {"group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "weights_B_T"}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    obj: object
+    origin: str  # module that defined the function, or that registered the algorithm
+    reduction: str | None = None
+
+
+_TABLES: dict[str, dict[str, _Entry]] = {"algorithm": {}, "advantage": {}, "loss": {}}
+
+
+def _label(obj) -> str:
+    """The registered name of a function (else its qualified name), or an algorithm's name."""
+    if isinstance(obj, Algorithm):
+        return obj.name
+    for table in (_TABLES["advantage"], _TABLES["loss"]):
+        for name, entry in table.items():
+            if entry.obj is obj:
+                return name
+    return getattr(obj, "__qualname__", repr(obj))
+
+
+def _register(kind: str, name: str, entry: _Entry) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a {kind} name must be a non-empty string, got {name!r}")
+    old = _TABLES[kind].get(name)
+    rerun = (
+        old is not None
+        and old.origin == entry.origin == "__main__"
+        and getattr(old.obj, "__qualname__", name) == getattr(entry.obj, "__qualname__", name)
+    )
+    same = old is not None and old.obj == entry.obj and old.reduction == entry.reduction
+    if old is not None and not same and not rerun:
+        raise ValueError(
+            f"{kind} {name!r} is already registered ({_label(old.obj)} from {old.origin}); pick another name"
+        )
+    _TABLES[kind][name] = entry
+
+
+def _lookup(kind: str, name: str):
+    table = _TABLES[kind]
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(table))}")
+    return table[name].obj
+
+
+def register_advantage(name: str, fn: Callable | None = None):
+    """Register an advantage estimator; usable as ``@register_advantage("x")`` or ``register_advantage("x", fn)``.
+
+    Contract: ``fn(rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, old_logp_B_T=None,
+    **hparams) -> (advantages_B_T, returns_B_T)``, both 0 on invalid tokens.
+    """
+    if fn is None:
+        return lambda f: register_advantage(name, f)
+    _register("advantage", name, _Entry(fn, fn.__module__))
+    return fn
+
+
+def register_loss(name: str, fn: Callable | None = None, *, reduction: str | None = None):
+    """Register a policy loss; usable as a decorator or a call, like ``register_advantage``.
+
+    Contract: ``fn(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None, **hparams) ->
+    (loss_B_T, metrics)``: the unreduced per-token loss (times ``weights_B_T`` when given) and 0-d detached
+    metrics. ``reduction`` is the mode the paper fixes (an ``Algorithm`` using this loss then reduces with it),
+    or None to leave it to the algorithm.
+    """
+    if reduction is not None and reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction mode {reduction!r}; valid: {', '.join(REDUCTIONS)}")
+    if fn is None:
+        return lambda f: register_loss(name, f, reduction=reduction)
+    _register("loss", name, _Entry(fn, fn.__module__, reduction))
+    return fn
+
+
+def register_algorithm(algorithm_or_name: Algorithm | str, **fields) -> Algorithm:
+    """Register an ``Algorithm`` under its name: ``register_algorithm(alg)``, or build it from a name and fields,
+    ``register_algorithm("mine", advantage="grpo", loss="my_loss")``. Returns the algorithm."""
+    if isinstance(algorithm_or_name, Algorithm):
+        algorithm = algorithm_or_name.replace(**fields) if fields else algorithm_or_name
+    else:
+        algorithm = Algorithm(name=algorithm_or_name, **fields)
+    _register("algorithm", algorithm.name, _Entry(algorithm, sys._getframe(1).f_globals.get("__name__", "")))
+    return algorithm
+
+
+def advantage_fn(name: str | Callable) -> Callable:
+    """The advantage estimator registered under ``name`` (a callable passes through)."""
+    return name if callable(name) else _lookup("advantage", name)
+
+
+def loss_fn(name: str | Callable) -> Callable:
+    """The policy loss registered under ``name`` (a callable passes through)."""
+    return name if callable(name) else _lookup("loss", name)
+
+
+def loss_reduction(name_or_fn: str | Callable) -> str | None:
+    """The reduction mode a registered loss fixes, or None (also None for an unregistered function)."""
+    if isinstance(name_or_fn, str):
+        _lookup("loss", name_or_fn)
+        return _TABLES["loss"][name_or_fn].reduction
+    return next((e.reduction for e in _TABLES["loss"].values() if e.obj is name_or_fn), None)
+
+
+def names(kind: str = "algorithm") -> list[str]:
+    """Sorted registered names of ``kind``: "algorithm", "advantage" or "loss"."""
+    if kind not in _TABLES:
+        raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(_TABLES)}")
+    return sorted(_TABLES[kind])
+
+
+def get(name_or_algorithm: str | Algorithm) -> Algorithm:
+    """The algorithm registered under a name; an ``Algorithm`` passes through unchanged."""
+    if isinstance(name_or_algorithm, Algorithm):
+        return name_or_algorithm
+    return _lookup("algorithm", name_or_algorithm)
+
+
+def hyperparameters(fn: Callable) -> dict[str, object]:
+    """Keyword hyperparameters of an advantage or loss and their defaults (``inspect.Parameter.empty`` if none)."""
+    params = inspect.signature(fn).parameters.values()
+    return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _DATA_KEYWORDS}
+
+
+def _describe_fn(fn: Callable, kind: str) -> str:
+    hparams = ", ".join(
+        name if default is inspect.Parameter.empty else f"{name}={default!r}"
+        for name, default in hyperparameters(fn).items()
+    )
+    lines = [f"{_label(fn)} ({kind})", inspect.getdoc(fn) or "(no docstring)", f"Hyperparameters: {hparams or 'none'}"]
+    if kind == "loss" and loss_reduction(fn) is not None:
+        lines.append(f"Reduction: {loss_reduction(fn)} (fixed by the paper)")
+    return "\n".join(lines)
+
+
+def describe(name: str | Callable | Algorithm) -> str:
+    """Formula, paper and hyperparameters (with defaults) of an algorithm, advantage or loss.
+
+    A name is looked up as an algorithm first, then as an advantage, then as a loss.
+    """
+    if isinstance(name, Algorithm):
+        return name.describe()
+    if callable(name):
+        kinds = [kind for kind in ("advantage", "loss") if any(e.obj is name for e in _TABLES[kind].values())]
+        return _describe_fn(name, kinds[0] if kinds else "unregistered")
+    for kind in ("algorithm", "advantage", "loss"):
+        if name in _TABLES[kind]:
+            obj = _TABLES[kind][name].obj
+            return obj.describe() if kind == "algorithm" else _describe_fn(obj, kind)
+    known = sorted(set().union(*_TABLES.values()))
+    raise ValueError(f"unknown name {name!r}; valid: {', '.join(known)}")
+
+
+def _check_kwargs(fn: Callable, kwargs: Mapping, what: str) -> None:
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    unknown = sorted(set(kwargs) - {p.name for p in params})
+    if unknown:
+        valid = ", ".join(hyperparameters(fn)) or "none"
+        raise ValueError(f"{what} {_label(fn)!r} takes no {', '.join(unknown)}; its hyperparameters: {valid}")
+
+
+def _check_choice(what: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {what} {value!r}; valid: {', '.join(valid)}")
+
+
+@dataclass(frozen=True, repr=False)
+class Algorithm:
+    """An RL algorithm as data: which advantage, which loss, how to reduce it, and what the step needs.
+
+    The session asks these fields, never the name, so a user-built algorithm works like a preset.
+    ``advantage`` and ``loss`` may be given as registered names; construction resolves them to functions.
+    A loss that fixes its reduction (``register_loss(..., reduction=...)``) overrides ``reduction``.
+    """
+
+    name: str
+    """Registry name."""
+    advantage: Callable
+    """Advantage estimator (function, or a registered name resolved at construction)."""
+    loss: Callable
+    """Per-token policy loss (function, or a registered name resolved at construction)."""
+    reduction: str = "token-mean"
+    """How ``aggregate`` reduces the per-token loss; replaced by the loss's own mode if it fixes one."""
+    advantage_kwargs: Mapping = field(default_factory=dict)
+    """Hyperparameters passed to the advantage (norm_by_std, gamma, lam...)."""
+    loss_kwargs: Mapping = field(default_factory=dict)
+    """Hyperparameters passed to the loss (clip_low, clip_high, clip_c...)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL to the reference in the loss (GRPO's way)."""
+    kl_estimator: str = "k3"
+    """Estimator of that KL (see ``kl``)."""
+    reward_kl_coef: float = 0.0
+    """β of the KL penalty in the reward (PPO's way); the initial β when adaptive."""
+    reward_kl_estimator: str = "k1"
+    """Estimator of the reward KL (verl's default ``kl`` = k1)."""
+    reward_kl_target: float | None = None
+    """Target KL of the adaptive β; None keeps β fixed."""
+    reward_kl_horizon: float = 10000
+    """Horizon (in responses) of the adaptive β."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient: ``loss -= entropy_coef·agg(H)``."""
+    norm_length: int | None = None
+    """``T_norm`` of seq-mean-token-sum-norm; None = the max response length."""
+    needs_critic: bool = False
+    """Train a value model and pass its values to the advantage (``values_B_T``)."""
+    needs_greedy_baseline: bool = False
+    """Score a greedy rollout per prompt and pass it to the advantage (``baselines_B``)."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose scores are all equal, resample to refill the batch."""
+    max_filter_rounds: int = 4
+    """Cap on extra sampling rounds of dynamic sampling."""
+    overlong_buffer: float = 0
+    """DAPO overlong shaping buffer: tokens, or a fraction of the max response length if < 1 (0 = off)."""
+    overlong_factor: float = 1.0
+    """Maximum overlong penalty."""
+    correction: RolloutCorrection | None = None
+    """Rollout correction for sampler/trainer mismatch; None = off."""
+    description: str = ""
+    """One line for humans."""
+
+    def __post_init__(self):
+        set_field = partial(object.__setattr__, self)
+        set_field("advantage", advantage_fn(self.advantage))
+        set_field("loss", loss_fn(self.loss))
+        set_field("reduction", loss_reduction(self.loss) or self.reduction)
+        set_field("advantage_kwargs", dict(self.advantage_kwargs))
+        set_field("loss_kwargs", dict(self.loss_kwargs))
+        _check_choice("reduction mode", self.reduction, REDUCTIONS)
+        _check_choice("KL estimator", self.kl_estimator, KL_KINDS)
+        _check_choice("KL estimator", self.reward_kl_estimator, KL_KINDS)
+        _check_kwargs(self.advantage, self.advantage_kwargs, "advantage")
+        _check_kwargs(self.loss, self.loss_kwargs, "loss")
+        if self.correction is not None and not isinstance(self.correction, RolloutCorrection):
+            raise TypeError(f"correction must be a RolloutCorrection or None, got {type(self.correction).__name__}")
+        if self.max_filter_rounds < 0 or self.overlong_buffer < 0:
+            raise ValueError("max_filter_rounds and overlong_buffer must be >= 0")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the step needs reference-policy log-probs (a KL in the loss or in the reward)."""
+        return self.kl_coef > 0 or self.reward_kl_coef > 0
+
+    def replace(self, **changes) -> Algorithm:
+        """A copy with some fields changed, e.g. ``get("grpo").replace(name="mine", loss=my_loss)``."""
+        return dataclasses.replace(self, **changes)
+
+    def reward_kl_controller(self) -> AdaptiveKL:
+        """A fresh controller of the reward-KL β this algorithm declares."""
+        return AdaptiveKL(self.reward_kl_coef, self.reward_kl_target, self.reward_kl_horizon)
+
+    def actor_loss(
+        self,
+        logp_B_T: torch.Tensor,
+        old_logp_B_T: torch.Tensor,
+        advantages_B_T: torch.Tensor,
+        mask_B_T: torch.Tensor,
+        *,
+        ref_logp_B_T: torch.Tensor | None = None,
+        entropy_B_T: torch.Tensor | None = None,
+        weights_B_T: torch.Tensor | None = None,
+        num_tokens=None,
+        num_seqs=None,
+        norm_length: int | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``agg(L) - entropy_coef·agg(H) + kl_coef·agg(kl(logp, ref_logp))`` (ALGORITHMS.md §2) and metrics.
+
+        Every term is reduced with this algorithm's mode and the given global counts (see ``aggregate``).
+        """
+        length = self.norm_length if norm_length is None else norm_length
+        counts = dict(mode=self.reduction, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=length)
+        loss_B_T, metrics = self.loss(
+            logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, weights_B_T=weights_B_T, **self.loss_kwargs
+        )
+        loss = aggregate(loss_B_T, mask_B_T, **counts)
+        metrics = {**metrics, "pg_loss": loss.detach()}
+        if self.entropy_coef > 0 and entropy_B_T is None:
+            raise ValueError(f"algorithm {self.name!r} has entropy_coef > 0: pass entropy_B_T")
+        if entropy_B_T is not None:
+            entropy = aggregate(entropy_B_T, mask_B_T, **counts)
+            loss = loss - self.entropy_coef * entropy
+            metrics["entropy"] = entropy.detach()
+        if self.kl_coef > 0 or ref_logp_B_T is not None:
+            if ref_logp_B_T is None:
+                raise ValueError(f"algorithm {self.name!r} has kl_coef > 0: pass ref_logp_B_T")
+            kl_loss = aggregate(kl(logp_B_T, ref_logp_B_T, self.kl_estimator), mask_B_T, **counts)
+            loss = loss + self.kl_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.detach()
+        return loss, metrics
+
+    def describe(self) -> str:
+        """This algorithm's settings, then the formulas, papers and hyperparameters of its parts."""
+        return "\n\n".join([repr(self), _describe_fn(self.advantage, "advantage"), _describe_fn(self.loss, "loss")])
+
+    def __repr__(self) -> str:
+        changed = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if f.name in ("name", "advantage", "loss", "reduction") or value != default:
+                changed.append(f"{f.name}={_label(value) if f.name in ('advantage', 'loss') else repr(value)}")
+        return f"Algorithm({', '.join(changed)})"

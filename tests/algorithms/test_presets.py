@@ -1,0 +1,121 @@
+"""The presets of ALGORITHMS.md §8: their declarations, and each one running on a random batch."""
+
+import pytest
+import torch
+
+from rlbench.algorithms import advantage_fn, get, loss_fn, names
+
+# preset: (advantage, loss, reduction, fields that must hold)
+TABLE = {
+    "grpo": ("grpo", "ppo_clip", "seq-mean-token-mean", dict(kl_coef=0.001, kl_estimator="k3")),
+    "dr_grpo": (
+        "grpo", "ppo_clip", "seq-mean-token-sum-norm", dict(kl_coef=0.0, advantage_kwargs={"norm_by_std": False})
+    ),
+    "dapo": (
+        "grpo", "ppo_clip", "token-mean",
+        dict(loss_kwargs={"clip_high": 0.28, "clip_c": 10.0}, filter_groups=True, kl_coef=0.0, reward_kl_coef=0.0),
+    ),
+    "gspo": ("grpo", "gspo", "seq-mean-token-mean", {}),
+    "rloo": ("rloo", "ppo_clip", "token-mean", {}),
+    "reinforce_pp": ("reinforce_plus_plus", "ppo_clip", "token-mean", dict(reward_kl_coef=0.001)),
+    "reinforce_pp_baseline": ("reinforce_plus_plus_baseline", "ppo_clip", "token-mean", dict(reward_kl_coef=0.001)),
+    "remax": ("remax", "ppo_clip", "token-mean", dict(needs_greedy_baseline=True)),
+    "ppo": ("gae", "ppo_clip", "token-mean", dict(needs_critic=True)),
+    "cispo": ("grpo", "cispo", "token-mean", {}),
+    "gmpo": ("grpo", "gmpo", "seq-mean-token-mean", {}),
+    "sapo": ("grpo", "sapo", "seq-mean-token-mean", {}),
+    "gpg": ("gpg", "gpg", "token-mean", {}),
+    "clip_cov": ("grpo", "clip_cov", "token-mean", {}),
+    "kl_cov": ("grpo", "kl_cov", "token-mean", {}),
+    "opo": ("opo", "ppo_clip", "token-mean", {}),
+    "grpo_passk": ("grpo_passk", "ppo_clip", "token-mean", {}),
+    "dppo": ("grpo", "dppo_tv", "seq-mean-token-sum-norm", dict(advantage_kwargs={"norm_by_std": False})),
+}
+
+
+def test_table_covers_every_preset():
+    assert set(TABLE) == set(names())
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_preset_declaration(name):
+    advantage, loss, reduction, fields = TABLE[name]
+    alg = get(name)
+    assert alg.name == name
+    assert alg.advantage is advantage_fn(advantage) and alg.loss is loss_fn(loss)
+    assert alg.reduction == reduction
+    for field, value in fields.items():
+        assert getattr(alg, field) == value, field
+
+
+def random_batch(seed=0):
+    """8 responses in 2 groups of 4, ragged lengths, outcome scores with a unique best per group."""
+    generator = torch.Generator().manual_seed(seed)
+    B, T = 8, 6
+    lengths_B = torch.tensor([6, 3, 1, 5, 4, 6, 2, 3])
+    mask_B_T = (torch.arange(T) < lengths_B[:, None]).float()
+    rewards_B_T = torch.zeros(B, T)
+    rewards_B_T[torch.arange(B), lengths_B - 1] = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 0.3, 1.0, 0.0])
+    old_logp_B_T = -torch.rand(B, T, generator=generator) * 3
+    return dict(
+        rewards_B_T=rewards_B_T,
+        mask_B_T=mask_B_T,
+        lengths_B=lengths_B,
+        group_ids=torch.tensor([3, 3, 3, 3, 8, 8, 8, 8]),
+        values_B_T=torch.randn(B, T, generator=generator),
+        baselines_B=torch.rand(B, generator=generator),
+        old_logp_B_T=old_logp_B_T,
+        logp_B_T=old_logp_B_T + 0.2 * torch.randn(B, T, generator=generator),
+        ref_logp_B_T=old_logp_B_T + 0.2 * torch.randn(B, T, generator=generator),
+        entropy_B_T=torch.rand(B, T, generator=generator),
+    )
+
+
+def advantages_of(alg, batch):
+    return alg.advantage(
+        batch["rewards_B_T"], batch["mask_B_T"], group_ids=batch["group_ids"], values_B_T=batch["values_B_T"],
+        baselines_B=batch["baselines_B"], old_logp_B_T=batch["old_logp_B_T"], **alg.advantage_kwargs,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_preset_runs_without_nan(name):
+    alg = get(name).replace(entropy_coef=0.01)
+    batch = random_batch()
+    adv_B_T, returns_B_T = advantages_of(alg, batch)
+    assert torch.isfinite(adv_B_T).all() and torch.isfinite(returns_B_T).all()
+    assert (adv_B_T[batch["mask_B_T"] == 0] == 0).all()
+    logp_B_T = batch["logp_B_T"].clone().requires_grad_()
+    loss, metrics = alg.actor_loss(
+        logp_B_T, batch["old_logp_B_T"], adv_B_T, batch["mask_B_T"],
+        ref_logp_B_T=batch["ref_logp_B_T"], entropy_B_T=batch["entropy_B_T"],
+    )
+    loss.backward()
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert torch.isfinite(logp_B_T.grad).all() and logp_B_T.grad.abs().sum() > 0
+    assert all(torch.isfinite(v) and not v.requires_grad for v in metrics.values())
+
+
+# clip_cov and kl_cov pick tokens by statistics of the tensor they see, so they depend on the split by design
+@pytest.mark.parametrize("name", sorted(set(TABLE) - {"clip_cov", "kl_cov"}))
+def test_preset_gradient_does_not_depend_on_the_micro_batch_split(name):
+    alg = get(name)
+    batch = random_batch(seed=1)
+    adv_B_T, _ = advantages_of(alg, batch)
+    mask_B_T, lengths_B = batch["mask_B_T"], batch["lengths_B"]
+    counts = dict(num_tokens=mask_B_T.sum(), num_seqs=len(mask_B_T), norm_length=mask_B_T.shape[1])
+    columns = ("logp_B_T", "old_logp_B_T", "ref_logp_B_T")
+
+    def loss_of(logp_B_T, rows, width):
+        logp, old, ref = (logp_B_T if c == "logp_B_T" else batch[c] for c in columns)
+        return alg.actor_loss(
+            logp[rows, :width], old[rows, :width], adv_B_T[rows, :width], mask_B_T[rows, :width],
+            ref_logp_B_T=ref[rows, :width], **counts,
+        )[0]
+
+    whole_B_T = batch["logp_B_T"].clone().requires_grad_()
+    loss_of(whole_B_T, slice(None), mask_B_T.shape[1]).backward()
+    parts_B_T = batch["logp_B_T"].clone().requires_grad_()
+    for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
+        loss_of(parts_B_T, rows, int(lengths_B[rows].max())).backward()
+    torch.testing.assert_close(parts_B_T.grad, whole_B_T.grad, atol=1e-6, rtol=0)
