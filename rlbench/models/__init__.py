@@ -1,0 +1,75 @@
+"""Models: the built-in offline tiny models, and loading of local Hugging Face model directories.
+
+Nothing here touches the network: a built-in name is built on this machine (once, then cached) and
+everything is loaded with `local_files_only=True`.
+
+    path = rlbench.models.resolve("tiny-arith")          # ~/.cache/rlbench/models/tiny-arith-v1-seed0
+    model, tokenizer = rlbench.models.load("tiny-arith")  # or load("/path/to/hf/checkpoint")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from rlbench.models import tiny_arith
+from rlbench.models.arithmetic_data import arithmetic_split
+from rlbench.models.tiny_arith import build_tiny_model
+from rlbench.models.tokenizer import build_tokenizer
+
+__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "from_pretrained", "load", "names", "resolve"]
+
+_BUILTINS: dict[str, Callable[[int], Path]] = {tiny_arith.NAME: tiny_arith.ensure_built}
+"""Built-in model name -> function of the seed returning its (cached, built on demand) directory."""
+
+
+def names() -> list[str]:
+    """The built-in model names."""
+    return list(_BUILTINS)
+
+
+def resolve(model: str | os.PathLike, *, seed: int = 0) -> Path:
+    """A built-in name -> its cached directory (built if missing); a local HF model directory -> itself.
+
+    `seed` selects the built-in's build (ignored for directories). Raises ValueError otherwise.
+    """
+    if isinstance(model, str) and model in _BUILTINS:
+        return _BUILTINS[model](seed)
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    problem = "has no config.json" if path.is_dir() else "does not exist"
+    raise ValueError(
+        f"model {str(model)!r} is not a built-in model ({', '.join(names())}) "
+        f"nor a local Hugging Face model directory: {path} {problem}"
+    )
+
+
+def load(
+    model: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(causal LM in eval mode, tokenizer) for a built-in name or a local HF model directory."""
+    path = resolve(model, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    for token in ("eos", "pad"):
+        if getattr(tokenizer, f"{token}_token_id") is None:
+            raise ValueError(
+                f"the tokenizer of {path} has no {token} token (rlbench needs eos_token_id and pad_token_id)"
+            )
+    return from_pretrained(AutoModelForCausalLM, path, dtype=dtype).eval(), tokenizer
+
+
+def from_pretrained(auto_class, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **kwargs):
+    """`auto_class.from_pretrained` from local files only, without transformers' per-tensor progress bar."""
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return auto_class.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()

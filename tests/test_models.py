@@ -1,0 +1,199 @@
+"""rlbench.models: the offline tokenizer, the tiny-arith build and cache, resolve() and load()."""
+
+import json
+import unicodedata
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+import rlbench.models as models
+from rlbench.models import tiny_arith
+from rlbench.models.arithmetic_data import answer, arithmetic_split, prompt
+
+ASCII_TEXT = st.text(alphabet=[chr(i) for i in range(32, 127)] + ["\n"])  # printable ASCII, newline
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return models.build_tokenizer()
+
+
+@pytest.fixture
+def cached(tiny_dir, monkeypatch):
+    """tiny-arith (seed 0) as conftest's `tiny_dir` built it, with RLBENCH_CACHE pointing at its cache."""
+    path = Path(tiny_dir)
+    monkeypatch.setenv("RLBENCH_CACHE", str(path.parents[1]))
+    assert tiny_arith.cache_dir(seed=0) == path
+    return path
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(text=ASCII_TEXT)
+def test_ascii_text_is_one_token_per_character_and_round_trips(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert len(ids) == len(text)
+    assert tokenizer.decode(ids) == text
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(text=st.text())
+def test_any_nfc_text_round_trips(tokenizer, text):
+    text = unicodedata.normalize("NFC", text)
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_special_tokens(tokenizer):
+    assert tokenizer.encode("12+34=") == [tokenizer.convert_tokens_to_ids(c) for c in "12+34="]
+    assert len({tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id}) == 3
+    assert tokenizer.bos_token_id is None
+    assert tokenizer.chat_template is None
+    assert len(tokenizer.encode("a<eos>")) == 6  # text never becomes a special token
+    ids = tokenizer.encode("46") + [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "46"
+
+
+def test_left_padding_survives_save_and_load(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert loaded.padding_side == "left"
+    batch = loaded(["1+1=", "10+10="], padding=True)["input_ids"]
+    pad = loaded.pad_token_id
+    assert batch[0][:2] == [pad, pad] and pad not in batch[1]
+    text = "x = 12 + 34\n  <eos>!"
+    assert loaded.encode(text) == tokenizer.encode(text)
+    assert loaded.decode(loaded.encode(text)) == text
+
+
+# --- tiny-arith ----------------------------------------------------------------------------------
+
+
+def test_builtin_names():
+    assert models.names() == ["tiny-arith"]
+
+
+def test_build_writes_an_ordinary_hf_directory(cached):
+    assert models.resolve("tiny-arith") == cached
+    assert cached.name == f"tiny-arith-v{tiny_arith.VERSION}-seed0"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (cached / name).is_file()
+    config = json.loads((cached / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["tie_word_embeddings"]
+
+
+def test_load_builtin(cached):
+    model, tok = models.load("tiny-arith")
+    assert not model.training
+    assert 0.5e6 <= sum(p.numel() for p in model.parameters()) <= 2e6
+    assert next(model.parameters()).dtype == torch.float32
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert (model.config.eos_token_id, model.config.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
+    assert tok.padding_side == "left"
+
+
+@torch.no_grad()
+def test_greedy_heldout_accuracy_is_in_band(cached):
+    """Plain greedy loop (no KV cache, no generate): the answer then EOS, within 8 new tokens."""
+    model, tok = models.load("tiny-arith")
+    heldout = arithmetic_split()[1]
+    ids_N_L = tok([prompt(a, b) for a, b in heldout], return_tensors="pt")["input_ids"]  # all 6 long
+    prompt_len = ids_N_L.shape[1]
+    for _ in range(8):
+        next_N = model(ids_N_L).logits[:, -1].argmax(-1)
+        ids_N_L = torch.cat([ids_N_L, next_N[:, None]], dim=1)
+    targets = [tok.encode(answer(a, b)) + [tok.eos_token_id] for a, b in heldout]
+    completions = ids_N_L[:, prompt_len:].tolist()
+    accuracy = sum(c[: len(t)] == t for c, t in zip(completions, targets)) / len(heldout)
+    assert 0.2 <= accuracy <= 0.4
+
+
+def test_build_is_deterministic(cached, tmp_path, monkeypatch):
+    """A second build of seed 0 into another cache gives the same weights, and leaves no temp dir."""
+    monkeypatch.setenv("RLBENCH_CACHE", str(tmp_path))
+    again = models.resolve("tiny-arith")
+    assert again != cached and again.is_relative_to(tmp_path)
+    assert [p.name for p in again.parent.iterdir()] == [again.name]
+    first, second = load_file(cached / "model.safetensors"), load_file(again / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first), f"{cached} differs from a fresh build: bump VERSION?"
+
+
+def test_resolve_reuses_the_cache(cached, monkeypatch):
+    monkeypatch.setattr(tiny_arith, "train_tiny_arith", pytest.fail)
+    assert models.resolve("tiny-arith") == cached
+
+
+def test_builder_that_loses_the_race_uses_the_winners_directory(cached, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLBENCH_CACHE", str(tmp_path))
+    final = tiny_arith.cache_dir(seed=0)
+
+    def train_while_another_process_finishes_first(seed):
+        final.mkdir(parents=True)
+        (final / "config.json").write_text((cached / "config.json").read_text())
+        return models.build_tiny_model(seed), models.build_tokenizer()
+
+    monkeypatch.setattr(tiny_arith, "train_tiny_arith", train_while_another_process_finishes_first)
+    assert models.resolve("tiny-arith") == final
+    assert [p.name for p in final.iterdir()] == ["config.json"]  # the winner's, untouched
+    assert [p.name for p in final.parent.iterdir()] == [final.name]
+
+
+def test_warm_start_rolls_back_a_check_that_overshoots(monkeypatch):
+    tok, model = models.build_tokenizer(), models.build_tiny_model(0)
+    scripted = iter([0.1, 0.5, 0.1, 0.3])  # checks at steps 2, 4 (overshoot: back to step 2), 5, 6
+    monkeypatch.setattr(tiny_arith, "greedy_accuracy", lambda *args: next(scripted))
+    monkeypatch.setattr(tiny_arith, "EVAL_EVERY", 2)
+    assert tiny_arith.warm_start(model, tok, seed=0) == (6, 0.3)
+
+    monkeypatch.setattr(tiny_arith, "EVAL_EVERY", 1)
+    monkeypatch.setattr(tiny_arith, "greedy_accuracy", lambda *args: 0.5)
+    with pytest.raises(RuntimeError, match="did not stop"):
+        tiny_arith.warm_start(model, tok, seed=0)
+
+
+def test_untrained_model_depends_only_on_the_seed():
+    rng_before = torch.get_rng_state()
+    first, second, other = (models.build_tiny_model(s).state_dict() for s in (3, 3, 4))
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+# --- resolve / load of local directories and errors --------------------------------------------------
+
+
+def test_load_local_hf_directory(tmp_path):
+    models.build_tiny_model(0).save_pretrained(tmp_path)
+    models.build_tokenizer().save_pretrained(tmp_path)
+    assert models.resolve(str(tmp_path)) == tmp_path
+    model, tok = models.load(tmp_path)
+    assert not model.training and tok.eos_token_id is not None
+
+
+def test_unknown_name_lists_builtins():
+    with pytest.raises(ValueError, match="tiny-arith") as error:
+        models.load("tiny-arithmetic")
+    assert "does not exist" in str(error.value)
+
+
+def test_directory_without_config_is_named(tmp_path):
+    with pytest.raises(ValueError, match="config.json") as error:
+        models.resolve(tmp_path)
+    assert str(tmp_path) in str(error.value)
+
+
+def test_tokenizer_without_pad_token_is_rejected(tmp_path):
+    models.build_tiny_model(0).save_pretrained(tmp_path)
+    tok = models.build_tokenizer()
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="pad") as error:
+        models.load(tmp_path)
+    assert str(tmp_path) in str(error.value)
