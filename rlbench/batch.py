@@ -109,6 +109,10 @@ class Batch:
                     tensors[k] = v[:, :width]
         return Batch(tensors, self.lists, self.meta)
 
+    def with_meta(self, **values) -> Batch:
+        """The same rows with these whole-batch values added to `meta`."""
+        return Batch(self.tensors, self.lists, self.meta | values)
+
     def select(self, *names: str) -> Batch:
         """A Batch with only these columns (in this order)."""
         missing = [n for n in names if n not in self]

@@ -12,7 +12,9 @@
 This package imports only torch and the standard library.
 """
 
-from . import advantages, losses, presets  # noqa: F401  (registration)
+import importlib
+import pkgutil
+
 from .core import (
     KL_KINDS,
     REDUCTIONS,
@@ -70,3 +72,7 @@ __all__ = [
     "register_loss",
     "value_loss",
 ]
+
+# Every module of this package registers its parts on import: a new algorithm is one new file here.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -1,0 +1,67 @@
+"""Sampler throughput: rlbench's HF decode loop vs transformers `generate`, same model, batch and prompts.
+
+Prints one JSON line per (batch size, mode): generated tokens per second for both, and their ratio.
+Greedy rows produce identical tokens in both, so the work is the same; sampled rows count real tokens.
+Run: .venv/bin/python benchmarks/sampler.py [--model tiny-arith] [--threads 1] [--batch 32 128]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import rlbench as rl
+from rlbench.batch import left_pad
+from rlbench.samplers import HFSampler, SamplingParams
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny-arith")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = rl.models.load(args.model)
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    prompts = [tokenizer.encode(e["prompt"], add_special_tokens=False) for e in rl.tasks.get("arithmetic").test]
+    for batch in args.batch:
+        rows = [prompts[i % len(prompts)] for i in range(batch)]
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(n=1, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=0)
+            ours = _rate(lambda: sampler.generate(rows, params)["response_mask"].sum(), args.repeats)
+            theirs = _rate(lambda: _generate(model, tokenizer, rows, params), args.repeats)
+            print(json.dumps({"bench": "sampler", "model": args.model, "threads": args.threads, "batch": batch,
+                              "mode": "greedy" if temperature == 0 else "sampled",
+                              "rlbench_tokens_per_s": round(ours), "generate_tokens_per_s": round(theirs),
+                              "speedup": round(ours / theirs, 2)}), flush=True)
+
+
+def _generate(model, tokenizer, rows, params):
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=params.max_new_tokens,
+                         do_sample=not params.greedy, temperature=params.temperature or None, top_k=None, top_p=None,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    new = out[:, ids.shape[1]:]
+    # count real tokens: up to and including the first EOS of each row
+    is_eos = new == tokenizer.eos_token_id
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    return (~after_eos).sum()
+
+
+def _rate(fn, repeats):
+    fn()  # warm-up
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = int(fn())
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The one flat configuration of a Session.
+
+`rl.Session(**kwargs)` builds a `Config`; recipes (`algorithms/*.toml`) hold the same keys. Every batch
+size says its unit in its name. `Config.check()` rejects nonsense before any work starts, naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Config:
+    model: str = "tiny-arith"
+    """A built-in model name (`rl.models.names()`) or a local Hugging Face model directory."""
+    task: Any = "arithmetic"
+    """A built-in task name (`rl.tasks.names()`) or any object following the `rl.tasks.Task` protocol."""
+    algorithm: Any = "grpo"
+    """A preset name (`rl.algorithms.names()`) or an `rl.algorithms.Algorithm`."""
+    sampler: Any = "auto"
+    """"hf" (transformers decode loop), "vllm", "auto" (vLLM where usable, else hf), or a Sampler object."""
+    cluster: str = "inline"
+    """"inline": every worker in this process (breakpoint() works anywhere)."""
+    world_size: int = 1
+    """Number of FSDP2 ranks of the policy."""
+    seed: int = 0
+    """Seeds model building, prompt order, sampling and dropout-free training; same seed, same run."""
+
+    prompts_per_step: int = 16
+    """Prompts drawn from the task per step."""
+    samples_per_prompt: int = 8
+    """Completions sampled per prompt (the group size of group-relative estimators)."""
+    max_new_tokens: int = 16
+    """Longest completion, in tokens; longer ones are cut and marked truncated."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts; log-probs of the policy are computed at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass of rollouts (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling of rollouts (0 = off)."""
+
+    lr: float = 1e-4
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping threshold (0 = off). A non-finite norm skips the optimizer step."""
+    lr_schedule: str = "constant"
+    """"constant", "linear" (to 0 at lr_decay_steps) or "cosine" (to 0 at lr_decay_steps), after warm-up."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
+    lr_decay_steps: int = 1000
+    """Optimizer steps over which "linear" and "cosine" decay to 0."""
+    critic_lr: float | None = None
+    """Learning rate of the critic, when the algorithm has one (None = lr)."""
+    mini_batches_per_step: int = 1
+    """Optimizer steps per epoch over one step's batch (verl's train_batch / ppo_mini_batch)."""
+    epochs_per_step: int = 1
+    """Passes over one step's batch (PPO epochs)."""
+    micro_batch_tokens: int = 4096
+    """Most tokens (rows x padded length) in one forward/backward; gradients accumulate across them."""
+
+    eval_samples: int = 1
+    """Sampled completions per held-out prompt in `evaluate()` (sampled accuracy averages them)."""
+    threads: int = 0
+    """Torch threads of this process's workers (0 = all cores, at most 2)."""
+    on_reward_error: str = "raise"
+    """What a failing reward does: "raise" stops the step naming the sample; "zero" scores it 0 and records why."""
+
+    def check(self) -> Config:
+        """Raise ValueError, naming the field, for any value that cannot work; return self."""
+        positive = ["world_size", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
+                    "mini_batches_per_step", "epochs_per_step", "micro_batch_tokens", "eval_samples",
+                    "lr_decay_steps"]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ["lr_warmup_steps", "top_k", "threads"]:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if self.critic_lr is not None and not self.critic_lr > 0:
+            raise ValueError(f"critic_lr must be > 0 (or None for lr), got {self.critic_lr!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0")
+        _choice("cluster", self.cluster, ["inline"])
+        _choice("lr_schedule", self.lr_schedule, ["constant", "linear", "cosine"])
+        _choice("on_reward_error", self.on_reward_error, ["raise", "zero"])
+        rows = self.prompts_per_step * self.samples_per_prompt
+        if rows % self.mini_batches_per_step:
+            raise ValueError(
+                f"mini_batches_per_step={self.mini_batches_per_step} does not divide the step's "
+                f"{rows} samples (prompts_per_step x samples_per_prompt)"
+            )
+        return self
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def fields(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def _choice(name: str, value, valid: list[str]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is not one of: {', '.join(map(repr, valid))}")
+
+
+def make_config(**kwargs) -> Config:
+    """A checked Config from keyword arguments; unknown keys are named with the valid ones."""
+    unknown = sorted(set(kwargs) - set(Config.fields()))
+    if unknown:
+        raise TypeError(f"unknown Session argument(s) {unknown}; valid: {', '.join(Config.fields())}")
+    return Config(**kwargs).check()
+

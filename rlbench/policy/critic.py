@@ -1,0 +1,60 @@
+"""The critic of PPO: the policy's backbone with a scalar value head, trained on GAE returns."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForTokenClassification
+
+from rlbench import algorithms as alg
+from rlbench import models
+from rlbench.batch import Batch
+from rlbench.policy.forward import micro_batches, response_outputs
+from rlbench.policy.fsdp import loss_mask
+from rlbench.policy.training import OptimSettings, Optimizer, init_process_group, shard
+
+
+class Critic:
+    """V(state before each response token), one value per token; FSDP2 like the policy.
+
+    Built from the policy's checkpoint as a token-classification model with one label: the backbone
+    starts from the policy's weights, the value head from a seeded random init.
+    """
+
+    def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
+                 micro_batch_tokens: int = 4096, clip_range: float = 0.5, seed: int = 0):
+        init_process_group(rank, world_size)
+        torch.manual_seed(seed)
+        model = models.from_pretrained(AutoModelForTokenClassification, model_dir, num_labels=1)
+        self.model = shard(model, world_size).train()
+        self.optimizer = Optimizer(self.model, optim)
+        self.micro_batch_tokens, self.clip_range = micro_batch_tokens, clip_range
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        """Values `[B, T]` of the batch's response positions (0 on padding)."""
+        values_B_T = torch.zeros(batch["response_ids"].shape)
+        start = 0
+        for micro in micro_batches(batch, self.micro_batch_tokens):
+            micro = micro.trimmed()
+            out = response_outputs(self.model, micro)[..., 0]
+            values_B_T[start : start + len(micro), : out.shape[1]] = out
+            start += len(micro)
+        return values_B_T * batch["response_mask"]
+
+    def train_mini_batch(self, mini: Batch, *, mode: str, num_tokens: int, num_seqs: int,
+                         norm_length: int) -> dict[str, float]:
+        """One optimizer step of the clipped value loss on `returns`, reduced with the mini-batch's counts."""
+        self.optimizer.zero_grad()
+        sums: dict[str, float] = {}
+        for micro in micro_batches(mini, self.micro_batch_tokens):
+            micro = micro.trimmed()
+            mask_B_T = loss_mask(micro)
+            loss, metrics = alg.value_loss(response_outputs(self.model, micro)[..., 0], micro["values"],
+                                           micro["returns"], mask_B_T, clip_range=self.clip_range, mode=mode,
+                                           num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+            loss.backward()
+            share = float(mask_B_T.sum()) / max(num_tokens, 1)
+            sums["vf_loss"] = sums.get("vf_loss", 0.0) + float(metrics["vf_loss"])
+            sums["vf_clip_frac"] = sums.get("vf_clip_frac", 0.0) + share * float(metrics["vf_clip_frac"])
+        step = self.optimizer.step()
+        return sums | {"vf_grad_norm": step["grad_norm"]}

@@ -1,0 +1,90 @@
+"""The trainable policy: a transformers causal LM sharded with FSDP2.
+
+One `Policy` object is one rank. At world size 1 (inline) it is the same code with a one-rank mesh,
+so going multi-rank changes where the object lives, not what it computes. Loss reductions take the
+token and sequence counts of the whole mini-batch (across micro-batches and ranks) from the caller:
+the gradient of an optimizer step does not depend on how the mini-batch was cut.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlbench import algorithms as alg
+from rlbench import models
+from rlbench.batch import Batch
+from rlbench.policy.forward import batch_logp, micro_batches, response_logits, token_logp
+from rlbench.policy.training import OptimSettings, Optimizer, full_state_dict, init_process_group, shard
+
+SUMMED_TERMS = frozenset({"loss", "pg_loss", "kl_loss", "entropy"})
+"""Terms `Algorithm.actor_loss` reduces with the mini-batch's counts: they add up over micro-batches.
+Every other metric is a per-micro-batch mean, averaged with token weights."""
+
+
+class Policy:
+    def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
+                 temperature: float = 1.0, micro_batch_tokens: int = 4096, seed: int = 0):
+        init_process_group(rank, world_size)
+        torch.manual_seed(seed)
+        self.rank, self.world_size = rank, world_size
+        self.temperature, self.micro_batch_tokens = temperature, micro_batch_tokens
+        model = models.from_pretrained(AutoModelForCausalLM, model_dir)
+        self.model = shard(model, world_size).train()
+        self.optimizer = Optimizer(self.model, optim)
+
+    def log_probs(self, batch: Batch) -> torch.Tensor:
+        """Log-probs `[B, T]` of the batch's responses under the current weights (no gradient)."""
+        return batch_logp(self.model, batch, temperature=self.temperature,
+                          micro_batch_tokens=self.micro_batch_tokens)
+
+    def train_mini_batch(self, mini: Batch, algorithm: alg.Algorithm, *, num_tokens: int, num_seqs: int,
+                         norm_length: int) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch: `forward_backward`, then `optim_step`."""
+        self.optimizer.zero_grad()
+        metrics = self.forward_backward(mini, algorithm, num_tokens=num_tokens, num_seqs=num_seqs,
+                                        norm_length=norm_length)
+        return metrics | self.optim_step()
+
+    def forward_backward(self, batch: Batch, algorithm: alg.Algorithm, *, num_tokens: int, num_seqs: int,
+                         norm_length: int) -> dict[str, float]:
+        """Accumulate the gradient of the algorithm's loss over `batch`, micro-batch by micro-batch.
+
+        `num_tokens` / `num_seqs` are the loss-token and sequence counts of the whole mini-batch over
+        all ranks; each micro-batch's loss is reduced with them, so the summed micro-batch gradients are
+        exactly the mini-batch gradient. Returns the loss terms (summed) and metrics (token-weighted).
+        """
+        sums: dict[str, float] = {}
+        for micro in micro_batches(batch, self.micro_batch_tokens):
+            micro = micro.trimmed()
+            terms = self._micro_loss(micro, algorithm, num_tokens=num_tokens, num_seqs=num_seqs,
+                                     norm_length=norm_length)
+            terms["loss"].backward()
+            share = float(loss_mask(micro).sum()) / max(num_tokens, 1)
+            for name, value in terms.items():
+                weight = 1.0 if name in SUMMED_TERMS else share
+                sums[name] = sums.get(name, 0.0) + weight * float(value.detach())
+        return sums
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip, step and advance the LR schedule; a non-finite gradient norm skips the step (recorded)."""
+        return self.optimizer.step()
+
+    def _micro_loss(self, micro: Batch, algorithm: alg.Algorithm, **counts) -> dict[str, torch.Tensor]:
+        logits_B_T_V = response_logits(self.model, micro, self.temperature)
+        entropy_B_T = alg.entropy_from_logits(logits_B_T_V)
+        loss, metrics = algorithm.actor_loss(
+            token_logp(logits_B_T_V, micro["response_ids"]), micro["old_logp"], micro["advantages"],
+            loss_mask(micro), ref_logp_B_T=micro.tensors.get("ref_logp"),
+            entropy_B_T=entropy_B_T if algorithm.entropy_coef else entropy_B_T.detach(),
+            weights_B_T=micro.tensors.get("correction_weights"), **counts)
+        return metrics | {"loss": loss}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded weights on CPU (every rank takes part)."""
+        return full_state_dict(self.model)
+
+
+def loss_mask(batch: Batch) -> torch.Tensor:
+    """Tokens the loss counts: `loss_mask` when rollout correction rejected some, else every response token."""
+    return batch.tensors.get("loss_mask", batch["response_mask"]).float()

@@ -1,0 +1,93 @@
+"""What every trainable worker shares: the process group, FSDP2 sharding, AdamW with clipping and a schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Max gradient norm (0 = no clipping)."""
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 1000
+
+
+class Optimizer:
+    """AdamW over a (sharded) model's parameters, with gradient clipping and an LR schedule."""
+
+    def __init__(self, model: torch.nn.Module, settings: OptimSettings):
+        self.model, self.settings = model, settings
+        self.adamw = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=tuple(settings.betas),
+                                       weight_decay=settings.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.adamw, lr_lambda(settings.lr_schedule, settings.lr_warmup_steps, settings.lr_decay_steps))
+
+    def zero_grad(self) -> None:
+        self.adamw.zero_grad(set_to_none=True)
+
+    def step(self) -> dict[str, float]:
+        """Clip, step and advance the schedule; a non-finite gradient norm skips the step (recorded)."""
+        max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.adamw.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.zero_grad()
+        return {"grad_norm": grad_norm, "skipped": float(not finite), "lr": lr}
+
+
+def lr_lambda(schedule: str, warmup_steps: int, decay_steps: int):
+    """Multiplier of the peak LR after `step` optimizer steps: linear warm-up, then constant / linear / cosine."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min((step - warmup_steps) / max(decay_steps - warmup_steps, 1), 1.0)
+        if schedule == "linear":
+            return 1.0 - progress
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+    return factor
+
+
+def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """FSDP2 over a one-dimensional CPU mesh: each transformer block, then the root."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in model.modules():
+        if type(module).__name__ in (getattr(model, "_no_split_modules", None) or []):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights on CPU (every rank takes part)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def init_process_group(rank: int, world_size: int) -> None:
+    """gloo for this process: an in-memory store at world size 1; MASTER_ADDR/PORT from the env otherwise."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(f"this process already belongs to a process group of size {dist.get_world_size()}, "
+                               f"not {world_size}")
+        return
+    if world_size == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -1,0 +1,48 @@
+"""The Sampler protocol: token ids in, completions with the log-probs they were sampled with out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from rlbench.batch import Batch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Completions per prompt; rows come out prompt-major (prompt 0's n samples first)."""
+    max_new_tokens: int = 16
+    """Most tokens per completion, the stop token included."""
+    temperature: float = 1.0
+    """0 means greedy. Returned log-probs are of the temperature-scaled distribution (1 when greedy)."""
+    top_p: float = 1.0
+    """Nucleus mass (1.0 = off)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    seed: int = 0
+    """Seed of this call's random draws."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler(Protocol):
+    """What the session needs of a sampler (the HF decode loop and vLLM both follow it)."""
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
+        """Sample `params.n` completions of every prompt.
+
+        Returns a Batch of `len(prompt_ids) * n` rows with `response_ids [B, T]` (right-padded with the
+        pad id), `response_mask [B, T]` (1 on generated tokens, the stop token included),
+        `sampler_logp [B, T]` (log-prob of each generated token, 0 on padding) and `finished [B]`
+        (True where the completion ended with a stop token rather than at max_new_tokens).
+        """
+        ...
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace the model's weights with a full (unsharded) state dict of the policy."""
+        ...

@@ -1,0 +1,127 @@
+"""A batched decode loop over a transformers causal LM with a KV cache.
+
+Prefill the left-padded prompts once, then one forward per new token over the last token only. Rows
+that emitted a stop token keep producing pad (masked out) until every row is done or the budget ends.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from rlbench.batch import Batch, left_pad
+from rlbench.samplers import decoder
+from rlbench.samplers.decoder import CompactDecoder
+from rlbench.samplers.base import SamplingParams
+
+
+class HFSampler:
+    """The Sampler protocol on a transformers model (any device the model is on).
+
+    Llama-family models (Qwen2, Qwen3, Llama) decode through `CompactDecoder`; any other causal LM
+    through transformers' own forward with a DynamicCache. Both give the model's exact distribution.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
+                 stop_token_ids: Sequence[int] = ()):
+        self.model = model.eval()
+        self.pad_token_id = pad_token_id
+        self.stop_token_ids = torch.tensor(sorted({eos_token_id, *stop_token_ids}), dtype=torch.long)
+        self.decoder = CompactDecoder(model) if decoder.supports(model) else TransformersDecoder(model)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
+        device = self.model.device
+        ids_B_P, mask_B_P = left_pad(prompt_ids, self.pad_token_id)
+        ids_B_P = ids_B_P.repeat_interleave(params.n, dim=0).to(device)
+        mask_B_P = mask_B_P.repeat_interleave(params.n, dim=0).to(device)
+        B, T = ids_B_P.shape[0], params.max_new_tokens
+        generator = torch.Generator(device=device).manual_seed(params.seed)
+        stop_ids = self.stop_token_ids.to(device)
+
+        tokens_B_T = torch.full((B, T), self.pad_token_id, dtype=torch.long, device=device)
+        logp_B_T = torch.zeros((B, T), device=device)
+        response_mask_B_T = torch.zeros((B, T), dtype=torch.long, device=device)
+        done_B = torch.zeros(B, dtype=torch.bool, device=device)
+        logits_B_V = self.decoder.start(ids_B_P, mask_B_P, T)
+        for t in range(T):
+            token_B, token_logp_B = sample_next(logits_B_V.float(), params, generator)
+            tokens_B_T[:, t] = token_B.masked_fill(done_B, self.pad_token_id)
+            logp_B_T[:, t] = token_logp_B.masked_fill(done_B, 0.0)
+            response_mask_B_T[:, t] = (~done_B).long()
+            done_B |= torch.isin(token_B, stop_ids)
+            if t == T - 1 or bool(done_B.all()):
+                break
+            logits_B_V = self.decoder.step(tokens_B_T[:, t])
+        width = t + 1
+        return Batch({
+            "response_ids": tokens_B_T[:, :width].cpu(),
+            "response_mask": response_mask_B_T[:, :width].cpu(),
+            "sampler_logp": logp_B_T[:, :width].cpu(),
+            "finished": done_B.cpu(),
+        })
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"weights do not fit the sampler's model: missing {missing}, unexpected {unexpected}")
+        self.decoder.refresh()
+
+
+class TransformersDecoder:
+    """start / step over any transformers causal LM, with its DynamicCache."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
+    def refresh(self) -> None:
+        """Nothing to re-read: the forward uses the model's parameters directly."""
+
+    def start(self, ids_B_P: torch.Tensor, mask_B_P: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        self.cache = DynamicCache()
+        self.attention_B_L = mask_B_P
+        position_B_P = (mask_B_P.cumsum(-1) - 1).clamp(min=0)
+        self.position_B = position_B_P[:, -1]
+        return self.model(input_ids=ids_B_P, attention_mask=mask_B_P, position_ids=position_B_P,
+                          past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    def step(self, token_B: torch.Tensor) -> torch.Tensor:
+        self.attention_B_L = torch.cat([self.attention_B_L, self.attention_B_L.new_ones(len(token_B), 1)], dim=1)
+        self.position_B = self.position_B + 1
+        return self.model(input_ids=token_B[:, None], attention_mask=self.attention_B_L,
+                          position_ids=self.position_B[:, None], past_key_values=self.cache,
+                          use_cache=True).logits[:, -1]
+
+
+def sample_next(logits_B_V: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob under the temperature-scaled distribution.
+
+    Greedy (temperature 0) takes the argmax and reports its log-prob at temperature 1. top-k / top-p
+    restrict what can be drawn, not the reported log-prob (it is the full distribution's, which is what
+    the trainer recomputes).
+    """
+    if params.greedy:
+        token_B = logits_B_V.argmax(-1)
+        return token_B, _token_logp(logits_B_V, token_B)
+    logits_B_V = logits_B_V / params.temperature
+    allowed_B_V = logits_B_V
+    if params.top_k > 0 and params.top_k < logits_B_V.shape[-1]:
+        kth_B_1 = logits_B_V.topk(params.top_k, dim=-1).values[:, -1:]
+        allowed_B_V = allowed_B_V.masked_fill(logits_B_V < kth_B_1, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_B_V, order_B_V = allowed_B_V.sort(dim=-1, descending=True)
+        probs_sorted_B_V = sorted_B_V.softmax(-1)
+        # drop a token when the more likely tokens already hold top_p of the mass
+        drop_sorted_B_V = probs_sorted_B_V.cumsum(-1) - probs_sorted_B_V >= params.top_p
+        drop_B_V = torch.zeros_like(drop_sorted_B_V).scatter(-1, order_B_V, drop_sorted_B_V)
+        allowed_B_V = allowed_B_V.masked_fill(drop_B_V, float("-inf"))
+    token_B = torch.multinomial(allowed_B_V.softmax(-1), 1, generator=generator).squeeze(-1)
+    return token_B, _token_logp(logits_B_V, token_B)
+
+
+def _token_logp(logits_B_V: torch.Tensor, token_B: torch.Tensor) -> torch.Tensor:
+    return logits_B_V.gather(-1, token_B[:, None]).squeeze(-1) - logits_B_V.logsumexp(-1)

@@ -1,0 +1,130 @@
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import rlbench as rl
+from rlbench.batch import left_pad
+from rlbench.policy import batch_logp
+from rlbench.samplers import HFSampler, SamplingParams
+from rlbench.samplers.decoder import CompactDecoder
+from rlbench.samplers.hf import TransformersDecoder
+
+# prompts of different lengths, so left padding and per-row positions are exercised
+PROMPTS = ["12+34=", "7+5=", "99+99=", "3+40=", "50+6=", "1+1="]
+
+
+def encode(tokenizer, texts):
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def generate_reference(model, tokenizer, rows, max_new_tokens):
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return out[:, ids.shape[1]:]
+
+
+def with_prompts(out, rows, tokenizer, n=1):
+    ids, mask = left_pad([r for r in rows for _ in range(n)], tokenizer.pad_token_id)
+    return out.with_columns(prompt_ids=ids, prompt_mask=mask)
+
+
+def test_tiny_model_uses_the_compact_decoder(tiny):
+    model, tokenizer = tiny
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    assert isinstance(sampler.decoder, CompactDecoder)
+
+
+def test_greedy_equals_transformers_generate(tiny):
+    model, tokenizer = tiny
+    rows = encode(tokenizer, PROMPTS)
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = sampler.generate(rows, SamplingParams(max_new_tokens=10, temperature=0))
+    expected = generate_reference(model, tokenizer, rows, 10)
+    width = out["response_ids"].shape[1]
+    # generate pads finished rows with pad after EOS, exactly like the sampler; beyond `width` only pads remain
+    assert torch.equal(out["response_ids"], expected[:, :width])
+    assert (expected[:, width:] == tokenizer.pad_token_id).all()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=4, max_new_tokens=12, temperature=1.0, seed=1),
+    SamplingParams(n=4, max_new_tokens=12, temperature=0.7, top_k=5, seed=2),
+    SamplingParams(n=4, max_new_tokens=12, temperature=1.3, top_p=0.8, seed=3),
+    SamplingParams(n=1, max_new_tokens=12, temperature=0),
+])
+def test_logp_equals_policy_recomputation(tiny, params):
+    model, tokenizer = tiny
+    rows = encode(tokenizer, PROMPTS)
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = sampler.generate(rows, params)
+    batch = with_prompts(out, rows, tokenizer, params.n)
+    recomputed = batch_logp(model, batch, temperature=params.temperature or 1.0, micro_batch_tokens=64)
+    assert out["sampler_logp"].abs().sum() > 0
+    torch.testing.assert_close(out["sampler_logp"], recomputed, atol=1e-5, rtol=0)
+
+
+def test_stop_mask_and_padding(tiny):
+    model, tokenizer = tiny
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = sampler.generate(encode(tokenizer, PROMPTS), SamplingParams(n=8, max_new_tokens=6, seed=0))
+    ids, mask, eos = out["response_ids"], out["response_mask"], tokenizer.eos_token_id
+    for row_ids, row_mask, finished in zip(ids.tolist(), mask.tolist(), out["finished"].tolist()):
+        n = sum(row_mask)
+        assert row_mask == [1] * n + [0] * (len(row_mask) - n)           # a prefix of real tokens
+        assert all(t == tokenizer.pad_token_id for t in row_ids[n:])     # then padding
+        assert finished == (row_ids[n - 1] == eos)                       # finished iff it ended on EOS
+        assert eos not in row_ids[: n - 1]                                # nothing after the first EOS
+    assert (out["sampler_logp"] * (1 - mask)).abs().sum() == 0
+
+
+def test_seeded_and_top_k_1_is_greedy(tiny):
+    model, tokenizer = tiny
+    rows = encode(tokenizer, PROMPTS)
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    a = sampler.generate(rows, SamplingParams(n=8, seed=5, temperature=1.5))
+    b = sampler.generate(rows, SamplingParams(n=8, seed=5, temperature=1.5))
+    c = sampler.generate(rows, SamplingParams(n=8, seed=6, temperature=1.5))
+    assert torch.equal(a["response_ids"], b["response_ids"])
+    assert not torch.equal(a["response_ids"], c["response_ids"])
+    greedy = sampler.generate(rows, SamplingParams(temperature=0))
+    top1 = sampler.generate(rows, SamplingParams(temperature=2.0, top_k=1, seed=9))
+    assert torch.equal(greedy["response_ids"], top1["response_ids"])
+
+
+def test_other_architectures_use_transformers_forward(tiny):
+    _, tokenizer = tiny
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2)).eval()
+    sampler = HFSampler(gpt2, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    assert isinstance(sampler.decoder, TransformersDecoder)
+    rows = encode(tokenizer, PROMPTS)
+    out = sampler.generate(rows, SamplingParams(max_new_tokens=8, temperature=0))
+    assert torch.equal(out["response_ids"], generate_reference(gpt2, tokenizer, rows, 8)[:, : out["response_ids"].shape[1]])
+    sampled = sampler.generate(rows, SamplingParams(n=3, max_new_tokens=8, seed=0))
+    recomputed = batch_logp(gpt2, with_prompts(sampled, rows, tokenizer, 3), temperature=1.0, micro_batch_tokens=64)
+    torch.testing.assert_close(sampled["sampler_logp"], recomputed, atol=1e-5, rtol=0)
+
+
+def test_load_weights_changes_what_is_sampled(tiny_dir, tiny):
+    _, tokenizer = tiny
+    model, _ = rl.models.load(tiny_dir)
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    # a model whose only preference is the token "7": zero every weight, bias the final logits through
+    # the (tied) embedding of the final norm's output
+    forced = {k: torch.zeros_like(v) for k, v in state.items()}
+    seven = tokenizer.convert_tokens_to_ids("7")
+    forced["model.norm.weight"] = torch.ones_like(state["model.norm.weight"])
+    forced["model.embed_tokens.weight"][seven] = 0.0
+    forced["model.embed_tokens.weight"][:, 0] = 1.0
+    forced["model.embed_tokens.weight"][seven, 0] = 50.0
+    forced["lm_head.weight"] = forced["model.embed_tokens.weight"]
+    sampler.load_weights(forced)
+    out = sampler.generate(encode(tokenizer, PROMPTS), SamplingParams(n=4, max_new_tokens=5, seed=0))
+    assert (out["response_ids"] == seven).all()
+    sampler.load_weights(state)
+    back = sampler.generate(encode(tokenizer, PROMPTS), SamplingParams(temperature=0, max_new_tokens=5))
+    assert not (back["response_ids"] == seven).all()
+    with pytest.raises(ValueError, match="unexpected"):
+        sampler.load_weights(state | {"not.a.weight": torch.zeros(1)})

@@ -1,0 +1,129 @@
+import dataclasses
+
+import pandas as pd
+import pytest
+import torch
+
+import rlbench as rl
+from rlbench.rewards import RewardError
+
+SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline",
+             prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def session(tiny_dir):
+    return rl.Session(**SMALL, seed=0)
+
+
+def test_stages_one_by_one(session):
+    batch = session.rollout()
+    assert len(batch) == 16
+    assert {"prompt", "completion", "response_ids", "sampler_logp", "group_ids"} <= set(batch.columns)
+    assert batch["group_ids"].tolist() == [g for g in range(4) for _ in range(4)]
+    assert "Batch(16 rows" in repr(batch) and isinstance(batch.to_pandas(), pd.DataFrame)
+
+    batch = session.score(batch)
+    for row in batch:  # the arithmetic reward, worked out here: exact answer, then EOS
+        expected = float(row["completion"] == row["example"]["answer"] and bool(row["finished"]))
+        assert float(row["reward"]) == expected and row["reward_error"] is None
+
+    batch = session.advantage(batch)
+    mask = batch["response_mask"].float()
+    torch.testing.assert_close(batch["old_logp"], batch["sampler_logp"], atol=1e-5, rtol=0)
+    adv_B = batch["advantages"].sum(-1) / mask.sum(-1)  # GRPO: one advantage per sample, on every token
+    for g in range(4):  # zero mean within each group
+        assert abs(float(adv_B[batch["group_ids"] == g].mean())) < 1e-5
+    assert (batch["advantages"] * (1 - mask)).abs().sum() == 0
+    assert "ref_logp" in batch  # grpo declares a KL to the reference
+
+    stats = session.update(batch)
+    assert {"loss", "pg_loss", "kl_loss", "entropy", "grad_norm", "lr"} <= set(stats)
+    assert session.step_count == 0  # the single stages do not count as a step
+
+
+def test_run_metrics_and_evaluate(session):
+    metrics = session.run(steps=2, progress=False)
+    expected = {"step", "reward_mean", "accuracy", "loss", "kl_loss", "entropy", "grad_norm", "response_length",
+                "sampler_mismatch_mean", "time_rollout", "time_score", "time_advantage", "time_update", "time_sync"}
+    assert expected <= set(metrics.columns) and metrics["step"].tolist() == [0, 1]
+    assert metrics["sampler_mismatch_max"].max() < 1e-4  # the weight sync worked
+    result = session.evaluate(max_prompts=20)
+    assert set(result) == {"greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward"}
+    assert all(0.0 <= v <= 1.0 for v in result.values())
+
+
+def test_same_seed_same_run(tiny_dir):
+    runs = []
+    for _ in range(2):
+        s = rl.Session(**SMALL, seed=3)
+        runs.append(s.run(steps=2, progress=False).drop(columns=[c for c in s.metrics if c.startswith("time_")]))
+    pd.testing.assert_frame_equal(runs[0], runs[1])
+
+
+@pytest.mark.slow
+def test_grpo_learns_arithmetic(tiny_dir):
+    s = rl.Session(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", seed=0,
+                   prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, lr=1e-4, threads=1)
+    before = s.evaluate()["greedy_accuracy"]
+    metrics = s.run(steps=100, progress=False)
+    after = s.evaluate()["greedy_accuracy"]
+    assert metrics["reward_mean"][-25:].mean() > metrics["reward_mean"][:25].mean() + 0.03
+    assert after > before + 0.1, (before, after)
+
+
+@pytest.mark.parametrize("field, value, valid", [
+    ("model", "tiny-arithh", "tiny-arith"),
+    ("task", "arithmatic", "arithmetic"),
+    ("algorithm", "grpoo", "grpo"),
+])
+def test_unknown_names_list_the_valid_ones(field, value, valid):
+    with pytest.raises(ValueError, match=valid):
+        rl.Session(**(SMALL | {field: value}))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("prompts_per_step", 0), ("samples_per_prompt", 0), ("lr", -1e-3), ("max_new_tokens", -1),
+    ("micro_batch_tokens", 0), ("top_p", 0.0), ("cluster", "slurm"),
+])
+def test_nonsense_sizes_raise_before_any_work(monkeypatch, field, value):
+    def no_work(*args, **kwargs):
+        raise AssertionError("a model was resolved before the configuration was checked")
+    monkeypatch.setattr(rl.models, "resolve", no_work)
+    with pytest.raises(ValueError, match=field):
+        rl.Session(**(SMALL | {field: value}))
+
+
+def test_unknown_argument_is_named():
+    with pytest.raises(TypeError, match="promts_per_step"):
+        rl.Session(promts_per_step=4)
+
+
+@dataclasses.dataclass
+class FlakyArithmetic:
+    """The arithmetic task with a reward that fails on prompts whose first operand is even."""
+    name: str = "flaky"
+    truncated_reward: float | None = None
+
+    def __post_init__(self):
+        base = rl.tasks.get("arithmetic")
+        self.train, self.test = base.train, base.test
+
+    def reward(self, completion, example):
+        if example["a"] % 2 == 0:
+            raise ZeroDivisionError("even operand")
+        return float(completion == example["answer"])
+
+
+def test_reward_failures_are_recorded_or_raised(tiny_dir):
+    s = rl.Session(**(SMALL | {"task": FlakyArithmetic(), "on_reward_error": "zero"}))
+    batch = s.score(s.rollout())
+    for row in batch:
+        if row["example"]["a"] % 2 == 0:
+            assert row["reward_error"] == "ZeroDivisionError: even operand" and float(row["reward"]) == 0.0
+        else:
+            assert row["reward_error"] is None
+    s = rl.Session(**(SMALL | {"task": FlakyArithmetic()}))
+    with pytest.raises(RewardError, match=r"sample \d+ .*even operand"):
+        for _ in range(5):  # some step draws an even operand
+            s.score(s.rollout())
