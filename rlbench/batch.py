@@ -89,9 +89,12 @@ class Batch:
         """A new Batch with these columns added or replaced (tensors and lists are told apart by type)."""
         tensors, lists = dict(self.tensors), dict(self.lists)
         for name, value in columns.items():
-            tensors.pop(name, None)
-            lists.pop(name, None)
-            (tensors if isinstance(value, torch.Tensor) else lists)[name] = value
+            if isinstance(value, torch.Tensor):
+                lists.pop(name, None)
+                tensors[name] = value  # a replaced column keeps its place
+            else:
+                tensors.pop(name, None)
+                lists[name] = value
         return Batch(tensors, lists, self.meta)
 
     def trimmed(self) -> Batch:
@@ -147,7 +150,7 @@ class Batch:
             return Batch()
         names = batches[0].columns
         for i, b in enumerate(batches[1:], start=1):
-            if b.columns != names:
+            if sorted(b.columns) != sorted(names) or set(b.tensors) != set(batches[0].tensors):
                 raise ValueError(f"cannot concat: batch {i} has columns {b.columns}, batch 0 has {names}")
         tensors = {k: _cat_padded([b.tensors[k] for b in batches], left=k in LEFT_PADDED) for k in batches[0].tensors}
         lists = {k: [x for b in batches for x in b.lists[k]] for k in batches[0].lists}

@@ -66,10 +66,12 @@ def load(
 
 def from_pretrained(auto_class, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **kwargs):
     """`auto_class.from_pretrained` from local files only, without transformers' per-tensor progress bar."""
-    bars = hf_logging.is_progress_bar_enabled()
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # e.g. a critic's value head is new by design: no load report
     try:
         return auto_class.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
     finally:
+        hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
