@@ -68,6 +68,10 @@ class Config:
     """Sampled completions per held-out prompt in `evaluate()` (sampled accuracy averages them)."""
     threads: int = 0
     """Torch threads of this process's workers (0 = all cores, at most 2)."""
+    log_dir: str | None = "runs"
+    """Every step's metrics row is appended to LOG_DIR/RUN_NAME/metrics.jsonl (None = no file)."""
+    run_name: str | None = None
+    """Name of this run's folder under log_dir (None = time, algorithm and seed)."""
     on_reward_error: str = "raise"
     """What a failing reward does: "raise" stops the step naming the sample; "zero" scores it 0 and records why."""
 

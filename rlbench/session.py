@@ -11,6 +11,7 @@ import dataclasses
 import os
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -22,6 +23,7 @@ from rlbench.policy import Critic, Policy, Reference
 from rlbench.policy.fsdp import loss_mask
 from rlbench.policy.training import OptimSettings
 from rlbench.rewards import score_all
+from rlbench.sinks import JsonlSink
 from rlbench.samplers import HFSampler, SamplingParams
 
 
@@ -54,11 +56,17 @@ class Session:
         self.critic = (Critic(self.model_dir, dataclasses.replace(optim, lr=cfg.critic_lr or cfg.lr), seed=cfg.seed,
                               **sizes) if need.needs_critic else None)
         self.reward_kl = need.reward_kl_controller() if need.reward_kl_coef else None
+        self.run_name = cfg.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{self.algorithm.name}-seed{cfg.seed}"
         self.step_count = 0
         self.examples_seen = 0
         self.rollouts_done = 0
         self.history: list[dict] = []
         self.last_batch: Batch | None = None
+        self.callbacks: list = []
+        """Functions `f(session, row)` called after every step (the dashboard is one)."""
+        self.sinks = [JsonlSink(Path(cfg.log_dir) / self.run_name / "metrics.jsonl")] if cfg.log_dir else []
+        """Where every metrics row also goes (JSONL by default)."""
+        self._stop_requested = False
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, shuffled example indices)
         self._timings: dict[str, float] = {}
 
@@ -192,15 +200,30 @@ class Session:
         self.history.append(row)
         self.step_count += 1
         self.last_batch = batch
+        for sink in self.sinks:
+            sink.write(row)
+        for callback in self.callbacks:
+            callback(self, row)
         return row
 
     def run(self, steps: int, *, progress: bool = True):
-        """`steps` more iterations with a progress bar; returns `metrics`."""
+        """`steps` more iterations with a progress bar; returns `metrics`.
+
+        `request_stop()` (e.g. the dashboard's stop button, or a callback) ends it after the current step.
+        """
+        self._stop_requested = False
         bar = tqdm(range(steps), desc="rlbench", disable=not progress)
         for _ in bar:
             row = self.step()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
+            if self._stop_requested:
+                break
+        bar.close()
         return self.metrics
+
+    def request_stop(self) -> None:
+        """Ask a running `run()` to return after the step in progress (safe from callbacks and other threads)."""
+        self._stop_requested = True
 
     @property
     def metrics(self):

@@ -27,3 +27,9 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    """Sessions write runs/<name>/metrics.jsonl under the working directory: keep it out of the checkout."""
+    monkeypatch.chdir(tmp_path)

@@ -6,6 +6,7 @@ import torch
 
 import rlbench as rl
 from rlbench.rewards import RewardError
+from rlbench.sinks import read_jsonl
 
 SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline",
              prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8)
@@ -51,6 +52,24 @@ def test_run_metrics_and_evaluate(session):
     result = session.evaluate(max_prompts=20)
     assert set(result) == {"greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward"}
     assert all(0.0 <= v <= 1.0 for v in result.values())
+
+
+def test_callbacks_stop_and_jsonl_log(tiny_dir, tmp_path):
+    s = rl.Session(**SMALL, log_dir=str(tmp_path / "logs"), run_name="r1")
+    seen = []
+
+    def stop_after_two(session, row):
+        seen.append(row["step"])
+        if row["step"] == 1:
+            session.request_stop()
+
+    s.callbacks.append(stop_after_two)
+    metrics = s.run(steps=10, progress=False)
+    assert seen == [0, 1] and len(metrics) == 2  # stopped cleanly after the step in progress
+    logged = read_jsonl(tmp_path / "logs" / "r1" / "metrics.jsonl")
+    pd.testing.assert_frame_equal(logged, metrics)
+    s.run(steps=1, progress=False)  # a new run() starts fresh
+    assert len(read_jsonl(tmp_path / "logs" / "r1" / "metrics.jsonl")) == 3
 
 
 def test_same_seed_same_run(tiny_dir):
