@@ -17,14 +17,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from rlbench.models import tiny_arith
+from rlbench.models import tiny_arith, tiny_mix
 from rlbench.models.arithmetic_data import arithmetic_split
 from rlbench.models.tiny_arith import build_tiny_model
 from rlbench.models.tokenizer import build_tokenizer
 
-__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "from_pretrained", "load", "names", "resolve"]
+__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "from_pretrained", "load", "load_tokenizer", "names", "resolve"]
 
-_BUILTINS: dict[str, Callable[[int], Path]] = {tiny_arith.NAME: tiny_arith.ensure_built}
+_BUILTINS: dict[str, Callable[[int], Path]] = {tiny_arith.NAME: tiny_arith.ensure_built,
+                                                tiny_mix.NAME: tiny_mix.ensure_built}
 """Built-in model name -> function of the seed returning its (cached, built on demand) directory."""
 
 
@@ -55,13 +56,20 @@ def load(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(causal LM in eval mode, tokenizer) for a built-in name or a local HF model directory."""
     path = resolve(model, seed=seed)
+    tokenizer = load_tokenizer(path)
+    return from_pretrained(AutoModelForCausalLM, path, dtype=dtype).eval(), tokenizer
+
+
+def load_tokenizer(model: str | os.PathLike, *, seed: int = 0) -> PreTrainedTokenizerBase:
+    """The tokenizer of a built-in name or local HF model directory; it must have EOS and pad tokens."""
+    path = resolve(model, seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     for token in ("eos", "pad"):
         if getattr(tokenizer, f"{token}_token_id") is None:
             raise ValueError(
                 f"the tokenizer of {path} has no {token} token (rlbench needs eos_token_id and pad_token_id)"
             )
-    return from_pretrained(AutoModelForCausalLM, path, dtype=dtype).eval(), tokenizer
+    return tokenizer
 
 
 def from_pretrained(auto_class, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **kwargs):

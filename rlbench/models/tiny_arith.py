@@ -9,20 +9,16 @@ directory under `$RLBENCH_CACHE/models/` (default `~/.cache/rlbench`). Determini
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from rlbench.models.arithmetic_data import Pair, answer, arithmetic_split, prompt
 from rlbench.models.tokenizer import build_tokenizer
+from rlbench.models.warm_start import (build_cached, cache_root, greedy_completions, supervised_warm_start,
+                                       text_sft_tensors, torch_threads)
 
 NAME = "tiny-arith"
 VERSION = 1
@@ -71,40 +67,17 @@ def build_tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
 
 def cache_dir(seed: int = 0) -> Path:
     """Where the built model for `seed` lives (it may not exist yet)."""
-    root = Path(os.environ.get("RLBENCH_CACHE") or Path.home() / ".cache" / "rlbench")
-    return root / "models" / f"{NAME}-v{VERSION}-seed{seed}"
+    return cache_root() / f"{NAME}-v{VERSION}-seed{seed}"
 
 
 def ensure_built(seed: int = 0) -> Path:
-    """The cached model directory for `seed`, built first if missing.
-
-    Built into a temporary directory next to the final one, then renamed into place, so a directory
-    under its final name is always complete; of two concurrent builders, the loser uses the winner's.
-    """
-    final = cache_dir(seed)
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        model, tokenizer = train_tiny_arith(seed)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes it private; make it an ordinary directory
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    """The cached model directory for `seed`, built first if missing (see `warm_start.build_cached`)."""
+    return build_cached(cache_dir(seed), lambda: train_tiny_arith(seed))
 
 
 def train_tiny_arith(seed: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerBase]:
     """Build and warm-start the model in memory (one torch thread, for reproducible numbers)."""
-    with _torch_threads(1):
+    with torch_threads(1):
         tokenizer = build_tokenizer()
         model = build_tiny_model(seed)
         warm_start(model, tokenizer, seed=seed)
@@ -119,53 +92,17 @@ def warm_start(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, *, s
     """
     train_pairs, heldout_pairs = arithmetic_split()
     inputs_N_T, labels_N_T = sft_tensors(tokenizer, train_pairs)
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), weight_decay=0.0)
-    eval_every, last_check = EVAL_EVERY, _snapshot(model, optimizer)
-    with tqdm(desc=f"building {NAME} (seed {seed})", unit="step") as bar:
-        for step in range(1, MAX_STEPS + 1):
-            model.train()
-            rows_B = torch.randint(len(train_pairs), (BATCH_SIZE,), generator=generator)
-            loss = model(input_ids=inputs_N_T[rows_B], labels=labels_N_T[rows_B]).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            bar.update()
-            if step % eval_every:
-                continue
-            accuracy = greedy_accuracy(model, tokenizer, heldout_pairs)
-            bar.set_postfix(loss=f"{loss.item():.3f}", heldout_acc=accuracy)
-            if accuracy < STOP_AT:
-                last_check = _snapshot(model, optimizer)
-            elif accuracy <= OVERSHOOT:
-                return step, accuracy
-            elif eval_every > 1:
-                _restore(model, optimizer, last_check)
-                eval_every = 1
-            else:
-                break
-    raise RuntimeError(
-        f"{NAME} warm start (seed {seed}) did not stop with held-out accuracy in [{STOP_AT}, {OVERSHOOT}]"
-    )
+    return supervised_warm_start(
+        model, inputs_N_T, labels_N_T, lambda m: greedy_accuracy(m, tokenizer, heldout_pairs), seed=seed, lr=LR,
+        batch_size=BATCH_SIZE, eval_every=EVAL_EVERY, stop_at=STOP_AT, overshoot=OVERSHOOT, max_steps=MAX_STEPS,
+        name=NAME)
 
 
 def sft_tensors(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids_N_T, labels_N_T): prompt + answer + EOS, right-padded; labels -100 except on answer + EOS.
-
-    Right padding is harmless here: pads only follow the last target, and attention is causal.
-    """
-    eos = tokenizer.eos_token_id
-    rows = [(tokenizer.encode(prompt(a, b)), tokenizer.encode(answer(a, b)) + [eos]) for a, b in pairs]
-    T = max(len(p) + len(t) for p, t in rows)
-    input_ids_N_T = torch.full((len(rows), T), tokenizer.pad_token_id)
-    labels_N_T = torch.full((len(rows), T), -100)
-    for i, (p, t) in enumerate(rows):
-        input_ids_N_T[i, : len(p) + len(t)] = torch.tensor(p + t)
-        labels_N_T[i, len(p) : len(p) + len(t)] = torch.tensor(t)
-    return input_ids_N_T, labels_N_T
+    """(input_ids_N_T, labels_N_T): prompt + answer + EOS, right-padded; labels -100 except on answer + EOS."""
+    return text_sft_tensors(tokenizer, [(prompt(a, b), answer(a, b)) for a, b in pairs])
 
 
-@torch.no_grad()
 def greedy_accuracy(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
@@ -173,34 +110,6 @@ def greedy_accuracy(
     max_new_tokens: int = MAX_NEW_TOKENS,
 ) -> float:
     """Fraction of `pairs` whose greedy completion is exactly the answer followed by EOS."""
-    model.eval()
-    batch = tokenizer([prompt(a, b) for a, b in pairs], return_tensors="pt", padding=True)
-    out_N_L = model.generate(
-        **batch,
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    completions_N_C = out_N_L[:, batch["input_ids"].shape[1] :].tolist()
+    completions_N_C = greedy_completions(model, tokenizer, [prompt(a, b) for a, b in pairs], max_new_tokens)
     targets = [tokenizer.encode(answer(a, b)) + [tokenizer.eos_token_id] for a, b in pairs]
     return sum(c[: len(t)] == t for c, t in zip(completions_N_C, targets)) / len(pairs)
-
-
-def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    return copy.deepcopy((model.state_dict(), optimizer.state_dict()))
-
-
-def _restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, snapshot: tuple[dict, dict]) -> None:
-    model.load_state_dict(snapshot[0])
-    optimizer.load_state_dict(snapshot[1])
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

@@ -3,19 +3,36 @@
     task = rlbench.tasks.get("arithmetic")
     task.train[0]   # {"prompt": "10+10=", "answer": "20", "a": 10, "b": 10}
     task.reward("20", task.train[0])   # 1.0
+
+    task = rlbench.tasks.get("countdown", count=4)             # a built-in synthetic task, harder knob
+    task = rlbench.tasks.from_parquet("gsm8k/train.parquet", test="gsm8k/test.parquet")   # verl's schema
+    ids = rlbench.tasks.encode_prompt(tokenizer, task.train[0]["prompt"])   # chat template or plain text
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from rlbench.models.chat import encode_prompt, render_prompt
 from rlbench.tasks.arithmetic import Arithmetic
 from rlbench.tasks.base import Task
+from rlbench.tasks.data import (DataTask, check_row, convert_files, from_jsonl, from_parquet, read_records,
+                                read_rows, shuffled, split, write_rows)
+from rlbench.tasks.prompts import limit_prompt_tokens, prompt_tokens
+from rlbench.tasks.synthetic import Countdown, ListTask, Multiplication, Reverse, Sort
 
-__all__ = ["Arithmetic", "Task", "get", "names"]
+__all__ = [
+    "Arithmetic", "Countdown", "DataTask", "ListTask", "Multiplication", "Reverse", "Sort", "Task", "check_row",
+    "convert_files", "encode_prompt", "from_jsonl", "from_parquet", "get", "limit_prompt_tokens", "names",
+    "prompt_tokens", "read_records", "read_rows", "render_prompt", "shuffled", "split", "write_rows",
+]
 
 _BUILTINS: dict[str, Callable[..., Task]] = {
     "arithmetic": Arithmetic,
+    "multiplication": Multiplication,
+    "sort": Sort,
+    "reverse": Reverse,
+    "countdown": Countdown,
 }
 """Built-in task name -> factory; `get(name, **kwargs)` calls it with the kwargs."""
 

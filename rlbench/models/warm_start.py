@@ -1,0 +1,134 @@
+"""What the built-in tiny models share: supervised warm start to a target accuracy, and the build cache.
+
+A built-in model is a fresh tiny Qwen2 trained with supervision (loss on the answer and EOS only) until
+a held-out accuracy check lands in [stop_at, overshoot], so that an RL run starts with signal and room
+to improve; it is saved once under `$RLBENCH_CACHE/models/` (default `~/.cache/rlbench`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def cache_root() -> Path:
+    """`$RLBENCH_CACHE/models`, default ~/.cache/rlbench/models."""
+    return Path(os.environ.get("RLBENCH_CACHE") or Path.home() / ".cache" / "rlbench") / "models"
+
+
+def build_cached(final: Path, train: Callable[[], tuple[PreTrainedModel, PreTrainedTokenizerBase]]) -> Path:
+    """`final`, after building it with `train()` if it has no config.json yet.
+
+    Built into a temporary directory next to the final one, then renamed into place, so a directory
+    under its final name is always complete; of two concurrent builders, the loser uses the winner's.
+    """
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        model, tokenizer = train()
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes it private; make it an ordinary directory
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def text_sft_tensors(tokenizer: PreTrainedTokenizerBase,
+                     rows: Sequence[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids_N_T, labels_N_T) of (prompt, answer) texts: prompt + answer + EOS, right-padded; labels
+    -100 except on answer + EOS. Right padding is harmless: pads only follow the last target (causal)."""
+    eos = tokenizer.eos_token_id
+    encoded = [(tokenizer.encode(p), tokenizer.encode(a) + [eos]) for p, a in rows]
+    T = max(len(p) + len(t) for p, t in encoded)
+    input_ids_N_T = torch.full((len(encoded), T), tokenizer.pad_token_id)
+    labels_N_T = torch.full((len(encoded), T), -100)
+    for i, (p, t) in enumerate(encoded):
+        input_ids_N_T[i, : len(p) + len(t)] = torch.tensor(p + t)
+        labels_N_T[i, len(p) : len(p) + len(t)] = torch.tensor(t)
+    return input_ids_N_T, labels_N_T
+
+
+def supervised_warm_start(model: PreTrainedModel, inputs_N_T: torch.Tensor, labels_N_T: torch.Tensor,
+                          evaluate: Callable[[PreTrainedModel], float], *, seed: int, lr: float, batch_size: int,
+                          eval_every: int, stop_at: float, overshoot: float, max_steps: int,
+                          name: str) -> tuple[int, float]:
+    """Train on random rows until `evaluate(model)` is in [stop_at, overshoot]; (steps, accuracy).
+
+    A check above `overshoot` rolls the model and optimizer back to the previous check, and training
+    goes on from there with a check after every step. RuntimeError if it never lands in the band.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    last_check = _snapshot(model, optimizer)
+    with tqdm(desc=f"building {name} (seed {seed})", unit="step") as bar:
+        for step in range(1, max_steps + 1):
+            model.train()
+            rows_B = torch.randint(len(inputs_N_T), (batch_size,), generator=generator)
+            loss = model(input_ids=inputs_N_T[rows_B], labels=labels_N_T[rows_B]).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            bar.update()
+            if step % eval_every:
+                continue
+            accuracy = evaluate(model)
+            bar.set_postfix(loss=f"{loss.item():.3f}", heldout_acc=accuracy)
+            if accuracy < stop_at:
+                last_check = _snapshot(model, optimizer)
+            elif accuracy <= overshoot:
+                return step, accuracy
+            elif eval_every > 1:
+                _restore(model, optimizer, last_check)
+                eval_every = 1
+            else:
+                break
+    raise RuntimeError(
+        f"{name} warm start (seed {seed}) did not stop with held-out accuracy in [{stop_at}, {overshoot}]")
+
+
+@torch.no_grad()
+def greedy_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str],
+                       max_new_tokens: int) -> list[list[int]]:
+    """Greedy completion ids of each prompt (left-padded batch), up to `max_new_tokens` each."""
+    model.eval()
+    batch = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    out_N_L = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return out_N_L[:, batch["input_ids"].shape[1] :].tolist()
+
+
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    return copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+
+
+def _restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, snapshot: tuple[dict, dict]) -> None:
+    model.load_state_dict(snapshot[0])
+    optimizer.load_state_dict(snapshot[1])
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
