@@ -1,11 +1,13 @@
-"""Where metrics rows go besides `session.metrics`: a JSONL file per run (more sinks plug in the same way).
+"""Where metrics rows go besides `session.metrics`: a JSONL file per run, TensorBoard, Weights & Biases.
 
-A sink has `write(row: dict)` and `close()`. Rows are flat dicts of numbers (one per step).
+A sink has `write(row: dict)` and `close()`. Rows are flat dicts of numbers, one per step, with a "step".
+JSONL is on by default; TensorBoard and wandb are optional packages, off unless asked for (`make_sinks`).
 """
 
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 
 
@@ -34,3 +36,86 @@ def read_jsonl(path: str | Path):
     import pandas as pd
 
     return pd.DataFrame([json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()])
+
+
+class TensorBoardSink:
+    """Every number of a row as a TensorBoard scalar (tag = the metrics column) at its "step".
+
+    Needs the `tensorboard` package (`pip install 'rlbench[tensorboard]'`); view with
+    `tensorboard --logdir LOG_DIR`.
+    """
+
+    def __init__(self, log_dir: str | Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ImportError("the TensorBoard sink needs the tensorboard package: "
+                              "pip install 'rlbench[tensorboard]'") from error
+        self.log_dir = Path(log_dir).resolve()
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def write(self, row: dict) -> None:
+        for name, value in _numbers(row).items():
+            self._writer.add_scalar(name, value, global_step=int(row["step"]))
+        self._writer.flush()  # a step is seconds of work: make it visible at once
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """Every number of a row logged to a Weights & Biases run at its "step".
+
+    Needs the `wandb` package (`pip install 'rlbench[wandb]'`) and `wandb login`, or WANDB_MODE=offline.
+    `config` (e.g. the session's `Config.to_dict()`) is recorded with the run; objects become their name.
+    """
+
+    def __init__(self, project: str, name: str, *, config: dict | None = None, directory: str | Path | None = None,
+                 **init_kwargs):
+        try:
+            import wandb
+        except ImportError as error:
+            raise ImportError("the wandb sink needs the wandb package: pip install 'rlbench[wandb]'") from error
+        if directory is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(project=project, name=name, config=_plain(config or {}),
+                               dir=None if directory is None else str(directory), **init_kwargs)
+
+    def write(self, row: dict) -> None:
+        self._run.log(_numbers(row), step=int(row["step"]))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def make_sinks(log_dir: str | Path | None, run_name: str, *, tensorboard: bool = False,
+               wandb_project: str | None = None, config: dict | None = None) -> list:
+    """The sinks of a run: JSONL at LOG_DIR/RUN_NAME/metrics.jsonl when log_dir is set, TensorBoard events in
+    the same folder when `tensorboard`, a wandb run named RUN_NAME in `wandb_project` when set."""
+    if tensorboard and log_dir is None:
+        raise ValueError("tensorboard=True writes its event files under log_dir: set log_dir")
+    folder = None if log_dir is None else Path(log_dir) / run_name
+    sinks: list = []
+    if folder is not None:
+        sinks.append(JsonlSink(folder / "metrics.jsonl"))
+    if tensorboard:
+        sinks.append(TensorBoardSink(folder))
+    if wandb_project:
+        sinks.append(WandbSink(wandb_project, run_name, config=config, directory=folder))
+    return sinks
+
+
+def _numbers(row: dict) -> dict[str, float]:
+    """The numbers of a row (NaN and inf included: a diverging loss must show), except its step."""
+    return {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, numbers.Real)}
+
+
+def _plain(value):
+    """A config value wandb can store: numbers, strings and lists as they are; other objects by name."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return getattr(value, "name", None) or repr(value)

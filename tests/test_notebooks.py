@@ -1,0 +1,63 @@
+"""Every notebook runs top to bottom, headless, with small parameters: a cell error fails the test.
+
+The kernel is this interpreter (a kernelspec written for the test), so a fresh clone's `.venv` is enough.
+Small values are injected after the cell tagged "parameters" (papermill's convention).
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+SMALL = {"STEPS": 3, "PROMPTS_PER_STEP": 4, "SAMPLES_PER_PROMPT": 4, "THREADS": 1}
+"""Overrides of the parameter cells: ~1 s of training per run on the tiny model."""
+
+
+@pytest.fixture(scope="module")
+def kernel_dirs(tmp_path_factory):
+    """A kernelspec folder whose only kernel is this Python."""
+    folder = tmp_path_factory.mktemp("kernels")
+    (folder / "rlbench-test").mkdir()
+    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "rlbench (tests)", "language": "python", "env": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    (folder / "rlbench-test" / "kernel.json").write_text(json.dumps(spec))
+    return [str(folder)]
+
+
+def with_parameters(nb, values: dict):
+    """The notebook with a cell after its "parameters" cell setting those of `values` it declares."""
+    tagged = [i for i, cell in enumerate(nb.cells) if "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1, "a notebook needs exactly one cell tagged 'parameters'"
+    declared = nb.cells[tagged[0]].source
+    lines = [f"{name} = {value!r}" for name, value in values.items() if re.search(rf"^{name}\s*=", declared, re.M)]
+    assert lines, "the parameter cell declares none of the test's parameters"
+    nb.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell("\n".join(lines), metadata={"tags": ["injected"]}))
+    return nb
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_is_stored_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert all(not cell.outputs and cell.execution_count is None for cell in code)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs_top_to_bottom(path, kernel_dirs, tmp_path):
+    nb = with_parameters(nbformat.read(path, as_version=4), SMALL)
+    kernels = KernelManager(kernel_name="rlbench-test", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
+    NotebookClient(nb, km=kernels, timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+    for cell in nb.cells:  # a figure shows once: the returned one, not a second copy from pyplot
+        if cell.cell_type == "code" and re.search(r"\bplot(_sample)?\(", cell.source):
+            images = [o for o in cell.outputs if "image/png" in o.get("data", {})]
+            assert len(images) == 1, f"cell {cell.source!r} shows {len(images)} images"
+    assert (tmp_path / "runs").is_dir()  # the sessions logged their metrics under the notebook's folder

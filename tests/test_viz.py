@@ -1,0 +1,170 @@
+import math
+import threading
+import time
+
+import pandas as pd
+import pytest
+from matplotlib.figure import Figure
+
+import rlbench as rl
+from rlbench import viz
+from rlbench.sinks import read_jsonl
+
+SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline",
+             prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, threads=1)
+TITLES = ["reward", "accuracy", "KL to reference", "entropy", "clip fraction", "response length (tokens)",
+          "stage timings (s)"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir, tmp_path_factory):
+    """A session after 3 GRPO steps, logging to LOG_DIR/viz/metrics.jsonl."""
+    s = rl.Session(**SMALL, seed=0, log_dir=str(tmp_path_factory.mktemp("logs")), run_name="viz")
+    s.run(steps=3, progress=False)
+    return s
+
+
+def _lines(ax):
+    return {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+
+
+def test_plot_has_every_panel_with_data(trained):
+    fig = viz.plot(trained)
+    assert isinstance(fig, Figure)
+    assert [ax.get_title() for ax in fig.axes] == TITLES
+    for ax in fig.axes:
+        lines = _lines(ax)
+        assert lines, f"panel {ax.get_title()!r} is empty"
+        for line in lines.values():
+            assert list(line.get_xdata()) == [0, 1, 2] and all(math.isfinite(y) for y in line.get_ydata())
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert list(_lines(panels["stage timings (s)"])) == list(viz.TIMINGS)
+    reward = _lines(panels["reward"])["reward_mean"].get_ydata()
+    assert list(reward) == trained.metrics["reward_mean"].tolist()
+
+
+def test_plot_reads_a_jsonl_log_and_compares_runs(trained):
+    log = f"{trained.config.log_dir}/viz/metrics.jsonl"
+    from_log = viz.plot(log)
+    assert [ax.get_title() for ax in from_log.axes] == TITLES
+    assert list(_lines(from_log.axes[0])["reward_mean"].get_ydata()) == trained.metrics["reward_mean"].tolist()
+
+    other = pd.DataFrame({"step": [0, 1], "reward_mean": [0.1, 0.3], "time_step": [1.0, 2.0]})
+    fig = viz.plot({"logged": log, "other": other}, smooth=2)
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert set(_lines(panels["reward"])) == {"logged", "other"}
+    assert list(_lines(panels["KL to reference"])) == ["logged"]  # "other" has no KL column
+    timings = _lines(panels["stage timings (s)"])  # one total per run when comparing
+    assert list(timings["other"].get_ydata()) == [1.0, 1.5]  # smoothed: rolling mean over 2 steps
+    assert list(timings["logged"].get_ydata())[0] == trained.metrics["time_step"][0]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["logged", "other"]
+
+    only = viz.plot(other, panels=["reward_mean", "grad_norm"])  # a panel without data is left out
+    assert [ax.get_title() for ax in only.axes] == ["reward_mean"]
+
+
+def test_rollout_table_and_sample_plot(trained):
+    batch = trained.last_batch
+    table = viz.rollout_table(batch)
+    assert list(table.columns) == ["group", "prompt", "completion", "reward", "advantage", "length"]
+    assert table["completion"].tolist() == batch["completion"] and len(table) == 16
+    for _, group in table.groupby("group"):  # GRPO: advantages of a group sum to 0
+        assert abs(group["advantage"].sum()) < 1e-4
+    assert viz.rollout_table(batch.select("prompt", "completion", "group_ids", "response_mask")).columns.tolist() == [
+        "group", "prompt", "completion", "length"]
+
+    row = int(table["advantage"].abs().idxmax())
+    fig = viz.plot_sample(batch, row, trained.tokenizer)
+    top, bottom = fig.axes
+    length = int(table["length"][row])
+    assert set(_lines(top)) == {"sampler_logp", "old_logp", "ref_logp"}
+    assert all(len(line.get_xdata()) == length for line in _lines(top).values())
+    assert [patch.get_height() for patch in bottom.patches] == pytest.approx(
+        batch["advantages"][row][:length].tolist())
+    assert len(bottom.get_xticklabels()) == length
+
+
+def test_dashboard_receives_rows_and_rollouts(tiny_dir):
+    s = rl.Session(**SMALL, seed=1, log_dir=None)
+    dash = viz.Dashboard(s, refresh_seconds=0)
+    assert dash._on_step in s.callbacks
+    s.run(steps=3, progress=False)
+    assert dash.metrics["step"].tolist() == [0, 1, 2]
+    assert dash.progress.value == 3
+    assert dash.curves.value[:4] == b"\x89PNG"
+    reward = _lines(dash.figure.axes[0])["reward_mean"]
+    assert list(reward.get_ydata()) == s.metrics["reward_mean"].tolist()
+    assert [value for _, value in dash.step_picker.options] == [2, 1, 0]  # newest first
+    last = viz.rollout_table(s.last_batch)
+    assert all(c in dash.samples.value for c in last[last["group"] == 0]["completion"])
+    dash.group_picker.value = 3
+    assert last[last["group"] == 3]["prompt"].iloc[0] in dash.samples.value
+    assert "application/vnd.jupyter.widget-view+json" in dash._repr_mimebundle_()
+    dash.close()
+    assert dash._on_step not in s.callbacks
+
+
+def test_stop_button_ends_run_after_the_current_step(tiny_dir):
+    s = rl.Session(**SMALL, seed=2, log_dir=None)
+    dash = viz.Dashboard(s)
+
+    def click_at_step_1(session, row):  # what a person clicking during step 1 does
+        if row["step"] == 1:
+            dash.stop_button.click()
+
+    s.callbacks.append(click_at_step_1)
+    assert len(s.run(steps=10, progress=False)) == 2
+    assert "stopping" in dash.status.value
+    s.callbacks.remove(click_at_step_1)
+    assert len(s.run(steps=2, progress=False)) == 4  # a click does not stop the next run
+
+
+def test_start_trains_in_background_and_stop_works(tiny_dir):
+    s = rl.Session(**SMALL, seed=3, log_dir=None)
+    dash = viz.Dashboard(s)
+    dash.start(1000)
+    assert dash.progress.description.endswith("/1000")
+    deadline = time.monotonic() + 60
+    while not s.history and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.history, "no step finished within 60 s"
+    dash.stop_button.click()
+    clicked_at = len(s.history)
+    metrics = dash.wait(timeout=60)
+    assert clicked_at <= len(metrics) <= clicked_at + 1  # the step in progress finishes, no more
+    assert "stopped" in dash.status.value and dash.metrics["step"].tolist() == metrics["step"].tolist()
+    assert not any(t.name == "rlbench-dashboard" and t.is_alive() for t in threading.enumerate())
+
+
+def test_background_error_is_shown_and_reraised(tiny_dir):
+    s = rl.Session(**SMALL, seed=4, log_dir=None)
+    dash = viz.Dashboard(s)
+
+    def fail(session, row):
+        raise RuntimeError("reward server down")
+
+    s.callbacks.append(fail)
+    dash.start(5)
+    with pytest.raises(RuntimeError, match="reward server down"):
+        dash.wait(timeout=60)
+    assert "error" in dash.status.value and len(s.history) == 1
+
+
+def test_frozen_dashboard_from_a_log(trained):
+    folder = f"{trained.config.log_dir}/viz"
+    dash = viz.Dashboard(folder)
+    pd.testing.assert_frame_equal(dash.metrics, read_jsonl(f"{folder}/metrics.jsonl"))
+    assert dash.stop_button.disabled and dash.progress.value == 3 and "3 steps" in dash.status.value
+    assert [ax.get_title() for ax in dash.figure.axes] == TITLES
+    with pytest.raises(RuntimeError, match="finished run"):
+        dash.start(1)
+    frozen = viz.Dashboard(trained.metrics)
+    assert list(_lines(frozen.figure.axes[0])["reward_mean"].get_ydata()) == trained.metrics["reward_mean"].tolist()
+
+
+def test_session_plot_and_dashboard(trained):
+    fig = trained.plot()
+    assert [ax.get_title() for ax in fig.axes] == TITLES
+    dash = trained.dashboard()
+    assert isinstance(dash, viz.Dashboard) and dash._on_step in trained.callbacks
+    dash.close()
