@@ -14,17 +14,22 @@ from typing import Any
 @dataclass
 class Config:
     model: str = "tiny-arith"
-    """A built-in model name (`rl.models.names()`) or a local Hugging Face model directory."""
+    """A built-in model name (`rl.models.names()`: tiny-arith, tiny-mix) or a local Hugging Face model directory."""
     task: Any = "arithmetic"
     """A built-in task name (`rl.tasks.names()`) or any object following the `rl.tasks.Task` protocol."""
     algorithm: Any = "grpo"
     """A preset name (`rl.algorithms.names()`) or an `rl.algorithms.Algorithm`."""
     sampler: Any = "auto"
     """"hf" (transformers decode loop), "vllm", "auto" (vLLM where usable, else hf), or a Sampler object."""
-    cluster: str = "inline"
-    """"inline": every worker in this process (breakpoint() works anywhere)."""
+    cluster: Any = "inline"
+    """"inline": every worker in this process (breakpoint() works anywhere); "ray": Ray actors on a private
+    local Ray instance (or RAY_ADDRESS's cluster); `rl.Ray(address=...)` to join a given cluster."""
     world_size: int = 1
-    """Number of FSDP2 ranks of the policy."""
+    """Number of FSDP2 ranks of the policy (more than 1 needs Ray)."""
+    placement: str = "colocated"
+    """Reference and critic ranks: "colocated" in the policy's rank processes, or "separate" worker groups."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved per worker process (policy rank, sampler, reward scorer)."""
     seed: int = 0
     """Seeds model building, prompt order, sampling and dropout-free training; same seed, same run."""
 
@@ -72,6 +77,24 @@ class Config:
     """Every step's metrics row is appended to LOG_DIR/RUN_NAME/metrics.jsonl (None = no file)."""
     run_name: str | None = None
     """Name of this run's folder under log_dir (None = time, algorithm and seed)."""
+    tensorboard: bool = False
+    """Also write every step's metrics as TensorBoard scalars to LOG_DIR/RUN_NAME/ (needs the tensorboard
+    package: `pip install 'rlbench[tensorboard]'`)."""
+    wandb_project: str | None = None
+    """Also log every step's metrics to this Weights & Biases project, as a run named RUN_NAME (needs
+    `pip install 'rlbench[wandb]'` and `wandb login`, or WANDB_MODE=offline); None = off."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt in tokens, as the session renders it (None = no limit); see long_prompts."""
+    long_prompts: str = "error"
+    """"error": stop at start-up naming the first too-long example; "drop": leave them out (counts in
+    session.task.dropped)."""
+    reward_workers: int = 4
+    """Samples the reward runner scores at once (threads, or processes with reward_processes)."""
+    reward_timeout_s: float | None = 30.0
+    """Time limit per sample (a batched reward: per call); a sample past it fails with "timed out". None = no limit."""
+    reward_processes: bool = False
+    """Score in forked processes (a hung reward is killed; CPU-bound rewards like math-verify run in parallel);
+    not for rewards that run torch models."""
     on_reward_error: str = "raise"
     """What a failing reward does: "raise" stops the step naming the sample; "zero" scores it 0 and records why."""
 
@@ -91,16 +114,34 @@ class Config:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if self.critic_lr is not None and not self.critic_lr > 0:
             raise ValueError(f"critic_lr must be > 0 (or None for lr), got {self.critic_lr!r}")
+        if self.tensorboard and self.log_dir is None:
+            raise ValueError("tensorboard=True writes its event files under log_dir: set log_dir")
+        _choice("long_prompts", self.long_prompts, ["error", "drop"])
+        if self.reward_workers <= 0:
+            raise ValueError(f"reward_workers must be a positive integer, got {self.reward_workers!r}")
+        for name in ["max_prompt_tokens", "reward_timeout_s"]:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("weight_decay and grad_clip must be >= 0")
-        _choice("cluster", self.cluster, ["inline"])
+        if not (type(self.cluster).__name__ == "Ray" or self.cluster in ("inline", "ray")):
+            raise ValueError(f"cluster={self.cluster!r} is not one of: 'inline', 'ray', rl.Ray(address=...)")
+        if self.cluster == "inline" and self.world_size > 1:
+            raise ValueError(f"world_size={self.world_size} needs cluster='ray' (inline runs one rank)")
+        _choice("placement", self.placement, ["colocated", "separate"])
+        if not self.cpus_per_worker > 0:
+            raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
         _choice("lr_schedule", self.lr_schedule, ["constant", "linear", "cosine"])
         _choice("on_reward_error", self.on_reward_error, ["raise", "zero"])
         rows = self.prompts_per_step * self.samples_per_prompt
+        if rows // self.mini_batches_per_step < self.world_size:
+            raise ValueError(f"a mini-batch of {rows // self.mini_batches_per_step} samples cannot be split across "
+                             f"world_size={self.world_size} ranks: raise prompts_per_step or samples_per_prompt")
         if rows % self.mini_batches_per_step:
             raise ValueError(
                 f"mini_batches_per_step={self.mini_batches_per_step} does not divide the step's "

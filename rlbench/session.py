@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -19,11 +19,12 @@ from tqdm.auto import tqdm
 from rlbench import algorithms, models, tasks
 from rlbench.batch import Batch, left_pad
 from rlbench.config import Config, make_config
+from rlbench.cluster import Ray, WorkerDied, WorkerGroup, acquire_ray, release_ray
 from rlbench.policy import Critic, Policy, Reference
-from rlbench.policy.fsdp import loss_mask
+from rlbench.policy.fsdp import loss_mask, merge_ranks
 from rlbench.policy.training import OptimSettings
 from rlbench.rewards import score_all
-from rlbench.sinks import JsonlSink
+from rlbench.sinks import make_sinks
 from rlbench.samplers import HFSampler, SamplingParams
 
 
@@ -35,26 +36,17 @@ class Session:
     """
 
     def __init__(self, **kwargs):
+        self._groups: list[WorkerGroup] = []
         self.config: Config = make_config(**kwargs)
         cfg = self.config
         self.algorithm = algorithms.get(cfg.algorithm)
         self.task = tasks.get(cfg.task)
         _check_sampler(cfg.sampler)
-        torch.set_num_threads(cfg.threads or min(2, os.cpu_count() or 1))
-
         self.model_dir = str(models.resolve(cfg.model))
-        sampler_model, self.tokenizer = models.load(self.model_dir)
-        self.sampler = HFSampler(sampler_model, eos_token_id=self.tokenizer.eos_token_id,
-                                 pad_token_id=self.tokenizer.pad_token_id)
-        optim = OptimSettings(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                              lr_schedule=cfg.lr_schedule, lr_warmup_steps=cfg.lr_warmup_steps,
-                              lr_decay_steps=cfg.lr_decay_steps)
-        sizes = dict(micro_batch_tokens=cfg.micro_batch_tokens)
-        self.policy = Policy(self.model_dir, optim, temperature=cfg.temperature, seed=cfg.seed, **sizes)
+        self.tokenizer = models.load_tokenizer(self.model_dir)
+        self.task = tasks.limit_prompt_tokens(self.task, self.tokenizer, cfg.max_prompt_tokens, on_long=cfg.long_prompts)
+        self._start_workers()
         need = self.algorithm
-        self.reference = Reference(self.model_dir, temperature=cfg.temperature, **sizes) if need.needs_reference else None
-        self.critic = (Critic(self.model_dir, dataclasses.replace(optim, lr=cfg.critic_lr or cfg.lr), seed=cfg.seed,
-                              **sizes) if need.needs_critic else None)
         self.reward_kl = need.reward_kl_controller() if need.reward_kl_coef else None
         self.run_name = cfg.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{self.algorithm.name}-seed{cfg.seed}"
         self.step_count = 0
@@ -64,11 +56,69 @@ class Session:
         self.last_batch: Batch | None = None
         self.callbacks: list = []
         """Functions `f(session, row)` called after every step (the dashboard is one)."""
-        self.sinks = [JsonlSink(Path(cfg.log_dir) / self.run_name / "metrics.jsonl")] if cfg.log_dir else []
-        """Where every metrics row also goes (JSONL by default)."""
+        self.sinks = make_sinks(cfg.log_dir, self.run_name, tensorboard=cfg.tensorboard,
+                                wandb_project=cfg.wandb_project, config=cfg.to_dict())
+        """Where every metrics row also goes: JSONL by default, TensorBoard and wandb when configured."""
         self._stop_requested = False
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, shuffled example indices)
         self._timings: dict[str, float] = {}
+
+    def _start_workers(self) -> None:
+        """Build every worker: the policy ranks (with the reference and critic colocated on them, or in
+        groups of their own), the sampler and the reward scorer; in this process or as Ray actors."""
+        cfg, need = self.config, self.algorithm
+        ray = cfg.cluster if isinstance(cfg.cluster, Ray) else Ray() if cfg.cluster == "ray" else None
+        separate = 1 + need.needs_reference + need.needs_critic if cfg.placement == "separate" else 1
+        if ray is not None:
+            acquire_ray(ray, cpus_needed=(cfg.world_size * separate + 2) * cfg.cpus_per_worker)
+        self._ray = ray
+        self._closer = weakref.finalize(self, _close_groups, self._groups, ray is not None)
+        threads = cfg.threads or (1 if ray else min(2, os.cpu_count() or 1))
+        optim = OptimSettings(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                              lr_schedule=cfg.lr_schedule, lr_warmup_steps=cfg.lr_warmup_steps,
+                              lr_decay_steps=cfg.lr_decay_steps)
+        common = dict(model_dir=self.model_dir, micro_batch_tokens=cfg.micro_batch_tokens)
+
+        def group(name: str, size: int) -> WorkerGroup:
+            workers = WorkerGroup(name, size, ray=ray is not None, threads=threads, cpus=cfg.cpus_per_worker)
+            self._groups.append(workers)
+            return workers
+
+        def ranks(workers: WorkerGroup, **kwargs) -> list[dict]:
+            address = workers.rendezvous()
+            return [common | kwargs | dict(rank=r, world_size=workers.size, init_method=address)
+                    for r in range(workers.size)]
+
+        self.workers = group("policy", cfg.world_size)
+        self.workers.build("policy", Policy, ranks(self.workers, optim=optim, temperature=cfg.temperature,
+                                                   seed=cfg.seed))
+        self.reference_workers = self.critic_workers = None
+        if need.needs_reference:
+            self.reference_workers = group("reference", cfg.world_size) if separate > 1 else self.workers
+            self.reference_workers.build("reference", Reference,
+                                         ranks(self.reference_workers, temperature=cfg.temperature))
+        if need.needs_critic:
+            self.critic_workers = group("critic", cfg.world_size) if separate > 1 else self.workers
+            self.critic_workers.build("critic", Critic, ranks(self.critic_workers, seed=cfg.seed, optim=dataclasses.replace(
+                optim, lr=cfg.critic_lr or cfg.lr)))
+        self.generation = group("sampler", 1)
+        self.generation.build("sampler", HFSampler.from_pretrained, [dict(model_dir=self.model_dir)])
+        self.scoring = group("rewards", 1)
+        self.scoring.build("rewards", TaskScorer, [dict(task=self.task, on_error=cfg.on_reward_error,
+                                                        timeout_s=cfg.reward_timeout_s, workers=cfg.reward_workers,
+                                                        processes=cfg.reward_processes)])
+
+    def close(self) -> None:
+        """End every worker of this session (and the Ray instance rlbench started, once unused). Idempotent."""
+        self._closer()
+        for sink in self.sinks:
+            sink.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------------- the four stages
     def rollout(self) -> Batch:
@@ -116,12 +166,12 @@ class Session:
         algorithm = self.algorithm
         with self._timed("advantage"):
             mask_B_T = batch["response_mask"].float()
-            columns = {"old_logp": self.policy.log_probs(batch)}
+            columns = {"old_logp": self.workers.map_rows("policy", "log_probs", batch)}
             meta = {}
-            if self.reference is not None:
-                columns["ref_logp"] = self.reference.log_probs(batch)
-            if self.critic is not None:
-                columns["values"] = self.critic.values(batch)
+            if self.reference_workers is not None:
+                columns["ref_logp"] = self.reference_workers.map_rows("reference", "log_probs", batch)
+            if self.critic_workers is not None:
+                columns["values"] = self.critic_workers.map_rows("critic", "values", batch)
             rewards_B_T = outcome_rewards(batch["reward"], mask_B_T)
             if self.reward_kl is not None:
                 rewards_B_T, batch_kl = algorithms.kl_in_reward(
@@ -141,9 +191,9 @@ class Session:
             return batch.with_columns(**columns, token_rewards=rewards_B_T, advantages=advantages_B_T,
                                       returns=returns_B_T).with_meta(**meta)
 
-    def update(self, batch: Batch) -> dict[str, float]:
+    def update(self, batch: Batch, *, sync: bool = True) -> dict[str, float]:
         """Optimizer step(s) over the batch (and the critic's, if any), then push the new weights to the
-        sampler; returns the metrics averaged over optimizer steps."""
+        sampler (unless `sync=False`); returns the metrics averaged over optimizer steps."""
         cfg = self.config
         with self._timed("update"):
             sums: dict[str, float] = {}
@@ -154,13 +204,16 @@ class Session:
                 for mini in batch[order].chunk(cfg.mini_batches_per_step):
                     counts = dict(num_tokens=int(loss_mask(mini).sum()), num_seqs=len(mini),
                                   norm_length=self.algorithm.norm_length or cfg.max_new_tokens)
-                    stats = self.policy.train_mini_batch(mini, self.algorithm, **counts)
-                    if self.critic is not None:
-                        stats |= self.critic.train_mini_batch(mini, mode=self.algorithm.reduction, **counts)
+                    stats = merge_ranks(self.workers.map_shards("policy", "train_mini_batch", mini,
+                                                                algorithm=self.algorithm, **counts))
+                    if self.critic_workers is not None:
+                        stats |= merge_ranks(self.critic_workers.map_shards(
+                            "critic", "train_mini_batch", mini, mode=self.algorithm.reduction, **counts))
                     sums = {k: sums.get(k, 0.0) + v for k, v in stats.items()}
                     steps += 1
             metrics = {k: v / steps for k, v in sums.items()} | {"skipped": sums["skipped"]}
-        self.sync_weights()
+        if sync:
+            self.sync_weights()
         return metrics
 
     def keep_informative_groups(self, batch: Batch) -> Batch:
@@ -181,9 +234,11 @@ class Session:
         return kept.with_meta(filter_rounds=rounds, groups_kept=len(first))
 
     def sync_weights(self) -> None:
-        """Copy the policy's full weights into the sampler."""
+        """Send the policy's full weights (gathered on rank 0) to the sampler: on Ray through the object
+        store as numpy arrays, zero-copy; inline as views of the same memory."""
         with self._timed("sync"):
-            self.sampler.load_weights(self.policy.state_dict())
+            arrays = self.workers.ref("policy", "state_arrays")
+            self.generation.call("sampler", "load_weights", arrays)
 
     # --------------------------------------------------------------------------------- the loop
     def step(self) -> dict:
@@ -225,6 +280,24 @@ class Session:
         """Ask a running `run()` to return after the step in progress (safe from callbacks and other threads)."""
         self._stop_requested = True
 
+    def plot(self, **kwargs):
+        """A matplotlib Figure of this run's metrics: reward, accuracy, KL, entropy, clip fraction, response
+        length, stage timings (keyword arguments: `rl.viz.plot`)."""
+        from rlbench import viz
+
+        return viz.plot(self, **kwargs)
+
+    def dashboard(self, **kwargs):
+        """A live notebook panel over this session (`rl.viz.Dashboard`): display it, then `start(steps)`."""
+        from rlbench import viz
+
+        return viz.Dashboard(self, **kwargs)
+
+    def complete(self, texts: list[str], *, max_new_tokens: int | None = None) -> list[str]:
+        """Greedy completions of text prompts by the current policy (e.g. `rl.rewards.LLMJudge(generate=...)`)."""
+        params = SamplingParams(max_new_tokens=max_new_tokens or self.config.max_new_tokens, temperature=0)
+        return self.generate([{"prompt": t} for t in texts], params)["completion"]
+
     @property
     def metrics(self):
         """One row per step: rewards, accuracy, losses, KL, entropy, clipping, grad norm, lengths, timings."""
@@ -250,7 +323,7 @@ class Session:
     def generate(self, examples: list[dict], params: SamplingParams) -> Batch:
         """Sample completions of `examples`' prompts: the rollout table, before any score."""
         prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
-        out = self.sampler.generate(prompt_ids, params)
+        out = self.generation.call("sampler", "generate", prompt_ids, params)[0]
         rows = [i for i in range(len(examples)) for _ in range(params.n)]
         ids_B_P, mask_B_P = left_pad([prompt_ids[i] for i in rows], self.tokenizer.pad_token_id)
         completions = self.tokenizer.batch_decode(
@@ -262,20 +335,12 @@ class Session:
             example=[examples[i] for i in rows])
 
     def encode_prompt(self, prompt) -> list[int]:
-        """Token ids of a prompt: a string as is, a list of chat messages through the chat template."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+        """Token ids of a prompt (`rl.tasks.encode_prompt`): chat template if the tokenizer has one, else plain text."""
+        return tasks.encode_prompt(self.tokenizer, prompt)
 
     def _score(self, completions: list[str], examples: list[dict], finished_B: torch.Tensor):
-        """(score [B], components {name: [B]}, errors) of completions under the task's reward."""
-        scores = score_all(self.task.reward, completions, examples, on_error=self.config.on_reward_error)
-        score_B = torch.tensor(scores.score, dtype=torch.float32)
-        components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scores.components.items()}
-        if self.task.truncated_reward is not None:  # completions cut at max_new_tokens
-            score_B = score_B.masked_fill(~finished_B, self.task.truncated_reward)
-            components = {k: v.masked_fill(~finished_B, 0.0) for k, v in components.items()}
-        return score_B, components, scores.error
+        """(score [B], components {name: [B]}, errors) of completions, from the reward worker."""
+        return self.scoring.call("rewards", "score", completions, examples, finished_B)[0]
 
     def _next_examples(self, n: int) -> list[dict]:
         """The next `n` training examples in a seeded order, reshuffled each epoch."""
@@ -295,6 +360,8 @@ class Session:
         start = time.perf_counter()
         try:
             yield
+        except WorkerDied as e:
+            raise WorkerDied(f"{e} (at step {self.step_count}, stage {stage})") from e
         finally:
             self._timings[stage] = self._timings.get(stage, 0.0) + time.perf_counter() - start
 
@@ -302,6 +369,32 @@ class Session:
         cfg = self.config
         return (f"Session(model={cfg.model!r}, task={getattr(self.task, 'name', self.task)!r}, "
                 f"algorithm={self.algorithm.name!r}, cluster={cfg.cluster!r}, step={self.step_count})")
+
+
+class TaskScorer:
+    """The reward worker: a task's reward over completions, with the task's rule for truncated ones."""
+
+    def __init__(self, task, on_error: str, **runner):
+        self.task, self.on_error, self.runner = task, on_error, runner
+
+    def score(self, completions: list[str], examples: list[dict], finished_B: torch.Tensor):
+        """(score [B], components {name: [B]}, errors) of completions under the task's reward."""
+        scores = score_all(self.task.reward, completions, examples, on_error=self.on_error, **self.runner)
+        score_B = torch.tensor(scores.score, dtype=torch.float32)
+        components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scores.components.items()}
+        if self.task.truncated_reward is not None:  # completions cut at max_new_tokens
+            score_B = score_B.masked_fill(~finished_B, self.task.truncated_reward)
+            components = {k: v.masked_fill(~finished_B, 0.0) for k, v in components.items()}
+        return score_B, components, scores.error
+
+
+def _close_groups(groups: list[WorkerGroup], on_ray: bool) -> None:
+    """End the groups' workers; release Ray (shut down if rlbench started it and no session uses it)."""
+    for workers in groups:
+        workers.close()
+    groups.clear()
+    if on_ray:
+        release_ray()
 
 
 def outcome_rewards(reward_B: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,9 @@ from transformers import AutoModelForTokenClassification
 from rlbench import algorithms as alg
 from rlbench import models
 from rlbench.batch import Batch
-from rlbench.policy.forward import micro_batches, response_outputs
+from rlbench.policy.forward import rank_micro_batches, response_outputs
 from rlbench.policy.fsdp import loss_mask
-from rlbench.policy.training import OptimSettings, Optimizer, init_process_group, shard
+from rlbench.policy.training import OptimSettings, Optimizer, backward, init_process_group, shard
 
 
 class Critic:
@@ -21,8 +21,9 @@ class Critic:
     """
 
     def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
-                 micro_batch_tokens: int = 4096, clip_range: float = 0.5, seed: int = 0):
-        init_process_group(rank, world_size)
+                 init_method: str | None = None, micro_batch_tokens: int = 4096, clip_range: float = 0.5,
+                 seed: int = 0):
+        init_process_group(rank, world_size, init_method)
         torch.manual_seed(seed)
         model = models.from_pretrained(AutoModelForTokenClassification, model_dir, num_labels=1)
         self.model = shard(model, world_size).train()
@@ -34,7 +35,7 @@ class Critic:
         """Values `[B, T]` of the batch's response positions (0 on padding)."""
         values_B_T = torch.zeros(batch["response_ids"].shape)
         start = 0
-        for micro in micro_batches(batch, self.micro_batch_tokens):
+        for micro in rank_micro_batches(batch, self.micro_batch_tokens):
             micro = micro.trimmed()
             out = response_outputs(self.model, micro)[..., 0]
             values_B_T[start : start + len(micro), : out.shape[1]] = out
@@ -46,13 +47,13 @@ class Critic:
         """One optimizer step of the clipped value loss on `returns`, reduced with the mini-batch's counts."""
         self.optimizer.zero_grad()
         sums: dict[str, float] = {}
-        for micro in micro_batches(mini, self.micro_batch_tokens):
+        for micro in rank_micro_batches(mini, self.micro_batch_tokens):
             micro = micro.trimmed()
             mask_B_T = loss_mask(micro)
             loss, metrics = alg.value_loss(response_outputs(self.model, micro)[..., 0], micro["values"],
                                            micro["returns"], mask_B_T, clip_range=self.clip_range, mode=mode,
                                            num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
-            loss.backward()
+            backward(loss)
             share = float(mask_B_T.sum()) / max(num_tokens, 1)
             sums["vf_loss"] = sums.get("vf_loss", 0.0) + float(metrics["vf_loss"])
             sums["vf_clip_frac"] = sums.get("vf_clip_frac", 0.0) + share * float(metrics["vf_clip_frac"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from rlbench.batch import Batch
 
@@ -38,7 +39,7 @@ def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: i
     """Log-probs of every response token of `batch`, `[B, T]` (0 on padding), in micro-batches."""
     logp_B_T = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
     start = 0
-    for micro in micro_batches(batch, micro_batch_tokens):
+    for micro in rank_micro_batches(batch, micro_batch_tokens):
         micro = micro.trimmed()
         logits_b_t_V = response_logits(model, micro, temperature)
         width = logits_b_t_V.shape[1]
@@ -64,3 +65,17 @@ def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
     if len(batch):
         chunks.append(batch[start:])
     return chunks
+
+
+def rank_micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
+    """`micro_batches`, with the same count on every rank of the process group.
+
+    FSDP2 gathers parameters collectively at every forward, so all ranks must run the same number of
+    forwards: a rank that needs fewer micro-batches than the busiest one splits its rows more finely.
+    """
+    chunks = micro_batches(batch, micro_batch_tokens)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return chunks
+    count = torch.tensor([len(chunks)])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return chunks if len(chunks) == int(count) else batch.chunk(int(count))

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from rlbench import algorithms as alg
 from rlbench import models
 from rlbench.batch import Batch
-from rlbench.policy.forward import batch_logp, micro_batches, response_logits, token_logp
-from rlbench.policy.training import OptimSettings, Optimizer, full_state_dict, init_process_group, shard
+from rlbench.policy.forward import batch_logp, rank_micro_batches, response_logits, token_logp
+from rlbench.policy.training import OptimSettings, Optimizer, backward, full_state_dict, init_process_group, shard
 
 SUMMED_TERMS = frozenset({"loss", "pg_loss", "kl_loss", "entropy"})
 """Terms `Algorithm.actor_loss` reduces with the mini-batch's counts: they add up over micro-batches.
@@ -24,8 +24,9 @@ Every other metric is a per-micro-batch mean, averaged with token weights."""
 
 class Policy:
     def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
-                 temperature: float = 1.0, micro_batch_tokens: int = 4096, seed: int = 0):
-        init_process_group(rank, world_size)
+                 init_method: str | None = None, temperature: float = 1.0, micro_batch_tokens: int = 4096,
+                 seed: int = 0):
+        init_process_group(rank, world_size, init_method)
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.temperature, self.micro_batch_tokens = temperature, micro_batch_tokens
@@ -55,11 +56,11 @@ class Policy:
         exactly the mini-batch gradient. Returns the loss terms (summed) and metrics (token-weighted).
         """
         sums: dict[str, float] = {}
-        for micro in micro_batches(batch, self.micro_batch_tokens):
+        for micro in rank_micro_batches(batch, self.micro_batch_tokens):
             micro = micro.trimmed()
             terms = self._micro_loss(micro, algorithm, num_tokens=num_tokens, num_seqs=num_seqs,
                                      norm_length=norm_length)
-            terms["loss"].backward()
+            backward(terms["loss"])
             share = float(loss_mask(micro).sum()) / max(num_tokens, 1)
             for name, value in terms.items():
                 weight = 1.0 if name in SUMMED_TERMS else share
@@ -80,9 +81,25 @@ class Policy:
             weights_B_T=micro.tensors.get("correction_weights"), **counts)
         return metrics | {"loss": loss}
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded weights on CPU (every rank takes part)."""
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full, unsharded weights on CPU on rank 0 (every rank takes part; the others get None)."""
         return full_state_dict(self.model)
+
+    def state_arrays(self) -> dict[str, "numpy.ndarray"] | None:  # noqa: F821
+        """`state_dict()` as numpy arrays (views, no copy): what crosses Ray's object store zero-copy."""
+        state = self.state_dict()
+        return None if state is None else {k: v.numpy() for k, v in state.items()}
+
+
+OPTIMIZER_KEYS = frozenset({"grad_norm", "skipped", "lr", "vf_grad_norm"})
+"""Metrics every rank reports identically (one optimizer step over the whole model)."""
+
+
+def merge_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One metrics dict from every rank's `train_mini_batch`: loss terms and token-weighted metrics were
+    computed with the global counts, so they add up across ranks; optimizer values are rank 0's."""
+    merged = {k: sum(m[k] for m in per_rank) for k in per_rank[0] if k not in OPTIMIZER_KEYS}
+    return merged | {k: per_rank[0][k] for k in OPTIMIZER_KEYS if k in per_rank[0]}
 
 
 def loss_mask(batch: Batch) -> torch.Tensor:

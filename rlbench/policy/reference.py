@@ -8,12 +8,17 @@ from transformers import AutoModelForCausalLM
 from rlbench import models
 from rlbench.batch import Batch
 from rlbench.policy.forward import batch_logp
+from rlbench.policy.training import init_process_group, shard
 
 
 class Reference:
-    def __init__(self, model_dir: str, *, temperature: float = 1.0, micro_batch_tokens: int = 4096):
-        self.model = models.from_pretrained(AutoModelForCausalLM, model_dir)
-        self.model.eval().requires_grad_(False)
+    """The initial policy, frozen; sharded with FSDP2 over the same ranks as the policy."""
+
+    def __init__(self, model_dir: str, *, rank: int = 0, world_size: int = 1, init_method: str | None = None,
+                 temperature: float = 1.0, micro_batch_tokens: int = 4096):
+        init_process_group(rank, world_size, init_method)
+        model = models.from_pretrained(AutoModelForCausalLM, model_dir).requires_grad_(False)
+        self.model = shard(model, world_size).eval()
         self.temperature, self.micro_batch_tokens = temperature, micro_batch_tokens
 
     def log_probs(self, batch: Batch) -> torch.Tensor:

@@ -75,13 +75,24 @@ def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
     return model
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded weights on CPU (every rank takes part)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def backward(loss: torch.Tensor) -> None:
+    """Backpropagate a rank's share of a loss reduced with the mini-batch's global counts.
+
+    Such shares add up to the mini-batch loss, so rank gradients must be summed; FSDP2 averages them over
+    the world size (gloo has no pre-scaled sum), hence the factor.
+    """
+    (loss * dist.get_world_size()).backward()
 
 
-def init_process_group(rank: int, world_size: int) -> None:
-    """gloo for this process: an in-memory store at world size 1; MASTER_ADDR/PORT from the env otherwise."""
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The unsharded weights on CPU, on rank 0 (every rank takes part; the others get None)."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if dist.get_rank() == 0 else None
+
+
+def init_process_group(rank: int, world_size: int, init_method: str | None = None) -> None:
+    """gloo for this process: an in-memory store at world size 1, else the rendezvous `init_method`
+    (tcp://host:port, chosen by the driver) or MASTER_ADDR / MASTER_PORT from the environment."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise RuntimeError(f"this process already belongs to a process group of size {dist.get_world_size()}, "
@@ -90,4 +101,4 @@ def init_process_group(rank: int, world_size: int) -> None:
     if world_size == 1:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)

@@ -6,11 +6,14 @@ that emitted a stop token keep producing pad (masked out) until every row is don
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from rlbench import models
 from rlbench.batch import Batch, left_pad
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
@@ -30,6 +33,12 @@ class HFSampler:
         self.pad_token_id = pad_token_id
         self.stop_token_ids = torch.tensor(sorted({eos_token_id, *stop_token_ids}), dtype=torch.long)
         self.decoder = CompactDecoder(model) if decoder.supports(model) else TransformersDecoder(model)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> HFSampler:
+        """A sampler over its own copy of a local model directory's weights."""
+        model, tokenizer = models.load(model_dir)
+        return cls(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
@@ -63,8 +72,12 @@ class HFSampler:
             "finished": done_B.cpu(),
         })
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+    def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
+        """Copy a full state dict (tensors, or numpy arrays such as read-only views from Ray's object store)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            tensors = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state_dict.items()}
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
         if unexpected or set(missing) - tied:
             raise ValueError(f"weights do not fit the sampler's model: missing {missing}, unexpected {unexpected}")

@@ -1,0 +1,226 @@
+"""Where workers live: in this process (inline) or in Ray actors, behind one interface.
+
+A `WorkerGroup` is `size` hosts (one per rank). A host is a process that holds named objects (a
+policy rank, a reference rank, a critic rank, a sampler): objects built on the same host are
+colocated. The driver calls a method of one object on every rank; `map_rows` / `map_shards` split a
+Batch across ranks (balanced by token count) and put the results back in row order. Nothing is hidden
+behind decorators: every split and merge is in this file.
+
+Ray: with no address the session starts a private local instance (never attaching to another cluster
+on the machine) and shuts it down when its last session closes; with `Ray(address=...)` or RAY_ADDRESS
+it joins that cluster and only disconnects.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from rlbench.batch import Batch
+
+
+@dataclass(frozen=True)
+class Ray:
+    """Run the session's workers as Ray actors."""
+
+    address: str | None = None
+    """A cluster to join ("auto", "ray://host:port", "host:port"); None = RAY_ADDRESS, else a private local instance."""
+    num_cpus: int | None = None
+    """Logical CPUs of a private local instance (None = enough for the session's actors)."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended (killed, out of memory) while the driver waited for it."""
+
+
+class Host:
+    """A worker process's container of named objects (inline, the driver process itself)."""
+
+    def __init__(self, threads: int):
+        torch.set_num_threads(threads)
+        self.objects: dict[str, Any] = {}
+
+    def build(self, name: str, factory: Callable, kwargs: dict) -> None:
+        self.objects[name] = factory(**kwargs)
+
+    def call(self, name: str, method: str, *args, **kwargs):
+        return getattr(self.objects[name], method)(*args, **kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def free_address(self) -> str:
+        """tcp://<this node's IP>:<a free port>, for torch.distributed's rendezvous."""
+        ip = "127.0.0.1"
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ip = ray.util.get_node_ip_address()
+        except ImportError:
+            pass
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return f"tcp://{ip}:{s.getsockname()[1]}"
+
+
+class WorkerGroup:
+    """`size` hosts: inline objects (size must be 1) or Ray actors with `cpus` CPUs each."""
+
+    def __init__(self, name: str, size: int, *, ray: bool, threads: int = 1, cpus: float = 1.0,
+                 env: dict[str, str] | None = None):
+        self.name, self.size, self.ray = name, size, ray
+        if not ray:
+            if size != 1:
+                raise ValueError(f"an inline worker group has one rank, not {size}: use cluster='ray'")
+            self.hosts = [Host(threads)]
+            return
+        import ray as ray_module
+
+        actor = ray_module.remote(Host).options(
+            num_cpus=cpus, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}})
+        self.hosts = [actor.remote(threads) for _ in range(size)]
+
+    # ------------------------------------------------------------------------------ calls
+    def build(self, name: str, factory: Callable, kwargs_per_rank: list[dict]) -> None:
+        """Construct `factory(**kwargs_per_rank[r])` on every rank r under `name`."""
+        self._get([self._send(h, "build", name, factory, kw) for h, kw in zip(self.hosts, kwargs_per_rank)],
+                  f"building {name}")
+
+    def call(self, name: str, method: str, *args, **kwargs) -> list:
+        """`objects[name].method(*args, **kwargs)` on every rank at once; one result per rank."""
+        return self._get([self._send(h, "call", name, method, *args, **kwargs) for h in self.hosts],
+                         f"{name}.{method}")
+
+    def call_each(self, name: str, method: str, args_per_rank: list[tuple], **kwargs) -> list:
+        """Like `call`, rank r getting `*args_per_rank[r]`."""
+        return self._get([self._send(h, "call", name, method, *a, **kwargs)
+                          for h, a in zip(self.hosts, args_per_rank)], f"{name}.{method}")
+
+    def ref(self, name: str, method: str, rank: int = 0):
+        """Start `method` on every rank, return rank `rank`'s result without fetching it to the driver
+        (a Ray ObjectRef, or the value inline): pass it on to another worker zero-copy."""
+        futures = [self._send(h, "call", name, method) for h in self.hosts]
+        if self.ray:
+            import ray
+
+            ray.wait(futures, num_returns=len(futures), fetch_local=False)
+            self._get(futures[:rank] + futures[rank + 1 :], f"{name}.{method}")
+        return futures[rank]
+
+    def map_rows(self, name: str, method: str, batch: Batch, **kwargs) -> torch.Tensor:
+        """Split rows across ranks (balanced by tokens), call, and put the `[rows, T]` results back in the
+        batch's row order (zero-padded to the widest)."""
+        index = balance(batch, self.size)
+        parts = self.call_each(name, method, [(batch[rows],) for rows in index], **kwargs)
+        out = parts[0].new_zeros((len(batch), max(p.shape[1] for p in parts)))
+        for rows, part in zip(index, parts):
+            out[torch.tensor(rows, dtype=torch.long), : part.shape[1]] = part
+        return out
+
+    def map_shards(self, name: str, method: str, batch: Batch, **kwargs) -> list:
+        """Split rows across ranks (balanced by tokens) and call; one result per rank."""
+        return self.call_each(name, method, [(batch[i],) for i in balance(batch, self.size)], **kwargs)
+
+    def rendezvous(self) -> str | None:
+        """A tcp:// address on rank 0's machine for torch.distributed (None for a one-rank group)."""
+        if self.size == 1:
+            return None
+        return self._get([self._send(self.hosts[0], "free_address")], "free_address")[0]
+
+    def pids(self) -> list[int]:
+        return self._get([self._send(h, "pid") for h in self.hosts], "pid")
+
+    def close(self) -> None:
+        """End the group's worker processes (Ray actors are killed; inline objects are dropped)."""
+        if self.ray:
+            import ray
+
+            if ray.is_initialized():  # else Ray is gone, and its actors with it
+                for host in self.hosts:
+                    ray.kill(host, no_restart=True)
+        self.hosts = []
+
+    # --------------------------------------------------------------------------- plumbing
+    def _send(self, host, method: str, *args, **kwargs):
+        return getattr(host, method).remote(*args, **kwargs) if self.ray else getattr(host, method)(*args, **kwargs)
+
+    def _get(self, futures: list, what: str) -> list:
+        if not self.ray:
+            return futures
+        import ray
+
+        try:
+            return ray.get(futures)
+        except ray.exceptions.RayActorError as e:
+            rank = next((r for r, h in enumerate(self.hosts) if h._actor_id.hex() == e.actor_id), "?")
+            reason = str(e).strip().splitlines()[-1]  # Ray's last line says why (killed, out of memory...)
+            raise WorkerDied(f"worker '{self.name}' rank {rank} died during {what}: {reason}") from e
+
+
+def balance(batch: Batch, n: int) -> list[list[int]]:
+    """Row indices for `n` ranks with near-equal token counts (longest first, each to the lightest rank),
+    each rank's rows in ascending order. Every rank gets at least one row when the batch has n rows."""
+    if n == 1:
+        return [list(range(len(batch)))]
+    if len(batch) < n:
+        raise ValueError(f"cannot split {len(batch)} rows across {n} ranks")
+    lengths = (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
+    order = sorted(range(len(batch)), key=lambda i: -lengths[i])
+    ranks: list[list[int]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for i in order:
+        r = min(range(n), key=lambda k: (len(ranks[k]) >= -(-len(batch) // n), loads[k], k))
+        ranks[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(rows) for rows in ranks]
+
+
+# ---------------------------------------------------------------------------------- Ray runtime
+_OWNED = {"started": False, "sessions": 0}
+"""Whether rlbench started the Ray instance of this process, and how many sessions use it."""
+
+
+def acquire_ray(spec: Ray, cpus_needed: float) -> None:
+    """Make Ray usable by a new session: reuse this process's Ray, join a given cluster, or start a
+    private local one. Pair with `release_ray()`."""
+    address = spec.address or os.environ.get("RAY_ADDRESS")
+    if not address and "ray" not in sys.modules:
+        _private_settings()  # Ray reads these settings when imported
+    import ray
+
+    if not ray.is_initialized():
+        if address:  # a cluster's auth settings come from the environment it was started with
+            ray.init(address=address, log_to_driver=False)
+        else:
+            cpus = spec.num_cpus or max(os.cpu_count() or 1, int(-(-cpus_needed // 1)))
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        _OWNED["started"] = True
+    _OWNED["sessions"] += 1
+
+
+def _private_settings() -> None:
+    """A private instance listens on 127.0.0.1 only, with token authentication set explicitly: the user's
+    RAY_AUTH_* settings if any, else a fresh random token for this process and the Ray processes it starts."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a one-machine instance: loopback only
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    has_token = any(os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"))
+    if os.environ["RAY_AUTH_MODE"] == "token" and not has_token and not os.path.exists(
+            os.path.expanduser("~/.ray/auth_token")):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def release_ray() -> None:
+    """A session is done with Ray: when rlbench started it and no session uses it any more, shut it down."""
+    import ray
+
+    _OWNED["sessions"] = max(_OWNED["sessions"] - 1, 0)
+    if _OWNED["sessions"] == 0 and _OWNED["started"] and ray.is_initialized():
+        ray.shutdown()
+        _OWNED["started"] = False

@@ -1,0 +1,123 @@
+"""Sessions on Ray: FSDP2 over 2 ranks matches inline; joining a cluster by address; weight-sync checks;
+extra workers; no processes left behind. Real Ray (a private local instance), real gloo."""
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import rlbench as rl
+from rlbench.cluster import Ray, acquire_ray, release_ray
+
+pytestmark = pytest.mark.slow
+
+CONFIG = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", prompts_per_step=16, samples_per_prompt=8,
+              max_new_tokens=8, lr=1e-4, seed=0, log_dir=None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance(tiny_dir):
+    """One private Ray instance for the module (sessions reuse it instead of starting their own)."""
+    acquire_ray(Ray(), cpus_needed=8)
+    yield
+    release_ray()
+
+
+def test_two_ranks_match_inline_and_close_leaves_nothing(tiny_dir):
+    with rl.Session(**CONFIG, cluster="inline", threads=1) as inline:
+        expected = inline.run(3, progress=False)
+        expected_weights = inline.workers.call("policy", "state_dict")[0]
+    session = rl.Session(**CONFIG, cluster="ray", world_size=2)
+    metrics = session.run(3, progress=False)
+    weights = session.workers.call("policy", "state_dict")
+    assert weights[1] is None  # the full weights are gathered on rank 0 only
+    for column in ["loss", "pg_loss", "kl_loss", "reward_mean", "grad_norm", "entropy"]:
+        torch.testing.assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
+                                   atol=1e-4, rtol=0, msg=column)
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(weights[0][name], value, atol=1e-4, rtol=0, msg=name)
+    assert metrics["sampler_mismatch_max"].max() < 1e-4 and metrics["time_sync"].gt(0).all()
+
+    pids = [pid for group in session._groups for pid in group.pids()]
+    assert len(set(pids)) == 4  # two policy ranks, the sampler, the reward scorer
+    session.close()
+    session.close()  # idempotent
+    deadline = time.time() + 30
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "worker processes outlived close()"
+
+
+def test_skipped_sync_shows_in_the_mismatch_metric(tiny_dir):
+    with rl.Session(**CONFIG, cluster="ray") as s:
+        s.step()
+        assert s.metrics["sampler_mismatch_max"].iloc[-1] < 1e-4
+        batch = s.advantage(s.score(s.rollout()))
+        s.update(batch, sync=False)  # the policy moved, the sampler did not
+        stale = s.advantage(s.score(s.rollout()))
+        delta = ((stale["sampler_logp"] - stale["old_logp"]).abs() * stale["response_mask"]).max()
+        assert delta > 1e-3
+        s.sync_weights()
+        fresh = s.advantage(s.score(s.rollout()))
+        assert ((fresh["sampler_logp"] - fresh["old_logp"]).abs() * fresh["response_mask"]).max() < 1e-4
+
+
+@pytest.mark.parametrize("algorithm, placement", [("ppo", "separate"), ("ppo", "colocated"),
+                                                  ("reinforce_pp", "separate")])
+def test_critic_and_reference_workers(tiny_dir, algorithm, placement):
+    small = CONFIG | dict(algorithm=algorithm, prompts_per_step=4, samples_per_prompt=4)
+    with rl.Session(**small, cluster="ray", world_size=2, placement=placement) as s:
+        names = [g.name for g in s._groups]
+        extra = {"ppo": "critic", "reinforce_pp": "reference"}[algorithm]
+        assert (extra in names) == (placement == "separate")
+        metrics = s.run(2, progress=False)
+        assert metrics[["loss", "grad_norm"]].notna().all().all()
+        if algorithm == "ppo":
+            assert metrics["vf_loss"].gt(0).all()
+
+
+def test_a_dead_worker_is_named(tiny_dir):
+    import ray
+
+    s = rl.Session(**CONFIG, cluster="ray", world_size=2)
+    s.step()
+    ray.kill(s.workers.hosts[1], no_restart=True)
+    with pytest.raises(rl.cluster.WorkerDied, match=r"worker 'policy' rank 1 died during .* \(at step 1, stage"):
+        s.step()
+    assert len(s.metrics) == 1  # what was done is still there
+    s.close()
+
+
+JOIN = """
+import json, sys, rlbench as rl
+with rl.Session(model="tiny-arith", cluster=rl.Ray(address=sys.argv[1]), prompts_per_step=4, samples_per_prompt=4,
+                max_new_tokens=8, log_dir=None) as s:
+    row = s.step()
+print(json.dumps({"reward_mean": row["reward_mean"], "loss": row["loss"]}))
+"""
+
+
+def test_join_a_cluster_by_address(tmp_path, tiny_dir):
+    # loopback only (Ray otherwise maps 127.0.0.1 to the machine's address), with its own token
+    env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+                        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    port = 6400 + os.getpid() % 500
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             f"--temp-dir={tmp_path}", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out = subprocess.run([sys.executable, "-c", JOIN, f"127.0.0.1:{port}"], env=env, capture_output=True,
+                             text=True, timeout=400)
+        assert out.returncode == 0, out.stderr[-3000:]
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        assert 0.0 <= row["reward_mean"] <= 1.0
+    finally:
+        os.killpg(head.pid, 15)  # only the processes this test started
+        head.wait(timeout=60)
