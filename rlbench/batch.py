@@ -112,6 +112,10 @@ class Batch:
                     tensors[k] = v[:, :width]
         return Batch(tensors, self.lists, self.meta)
 
+    def to(self, device) -> Batch:
+        """The same rows with every tensor column on `device`."""
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.lists, self.meta)
+
     def with_meta(self, **values) -> Batch:
         """The same rows with these whole-batch values added to `meta`."""
         return Batch(self.tensors, self.lists, self.meta | values)

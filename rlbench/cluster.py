@@ -73,7 +73,7 @@ class Host:
 class WorkerGroup:
     """`size` hosts: inline objects (size must be 1) or Ray actors with `cpus` CPUs each."""
 
-    def __init__(self, name: str, size: int, *, ray: bool, threads: int = 1, cpus: float = 1.0,
+    def __init__(self, name: str, size: int, *, ray: bool, threads: int = 1, cpus: float = 1.0, gpus: float = 0,
                  env: dict[str, str] | None = None):
         self.name, self.size, self.ray = name, size, ray
         if not ray:
@@ -84,7 +84,7 @@ class WorkerGroup:
         import ray as ray_module
 
         actor = ray_module.remote(Host).options(
-            num_cpus=cpus, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}})
+            num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}})
         self.hosts = [actor.remote(threads) for _ in range(size)]
 
     # ------------------------------------------------------------------------------ calls

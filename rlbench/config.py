@@ -28,6 +28,9 @@ class Config:
     """Number of FSDP2 ranks of the policy (more than 1 needs Ray)."""
     placement: str = "colocated"
     """Reference and critic ranks: "colocated" in the policy's rank processes, or "separate" worker groups."""
+    device: str = "auto"
+    """"cpu" (gloo), "cuda" (NCCL; one GPU per policy rank and one for the sampler on Ray), or "auto"
+    (cuda when available)."""
     cpus_per_worker: float = 1.0
     """Ray CPUs reserved per worker process (policy rank, sampler, reward scorer)."""
     seed: int = 0
@@ -134,6 +137,7 @@ class Config:
         if self.cluster == "inline" and self.world_size > 1:
             raise ValueError(f"world_size={self.world_size} needs cluster='ray' (inline runs one rank)")
         _choice("placement", self.placement, ["colocated", "separate"])
+        _choice("device", self.device, ["auto", "cpu", "cuda"])
         if not self.cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
         _choice("lr_schedule", self.lr_schedule, ["constant", "linear", "cosine"])

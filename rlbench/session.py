@@ -74,13 +74,16 @@ class Session:
         self._ray = ray
         self._closer = weakref.finalize(self, _close_groups, self._groups, ray is not None)
         threads = cfg.threads or (1 if ray else min(2, os.cpu_count() or 1))
+        device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        gpus = 1 if device == "cuda" and ray is not None else 0
         optim = OptimSettings(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                               lr_schedule=cfg.lr_schedule, lr_warmup_steps=cfg.lr_warmup_steps,
                               lr_decay_steps=cfg.lr_decay_steps)
-        common = dict(model_dir=self.model_dir, micro_batch_tokens=cfg.micro_batch_tokens)
+        common = dict(model_dir=self.model_dir, micro_batch_tokens=cfg.micro_batch_tokens, device=device)
 
         def group(name: str, size: int) -> WorkerGroup:
-            workers = WorkerGroup(name, size, ray=ray is not None, threads=threads, cpus=cfg.cpus_per_worker)
+            workers = WorkerGroup(name, size, ray=ray is not None, threads=threads, cpus=cfg.cpus_per_worker,
+                                  gpus=gpus if name != "rewards" else 0)
             self._groups.append(workers)
             return workers
 
@@ -102,7 +105,7 @@ class Session:
             self.critic_workers.build("critic", Critic, ranks(self.critic_workers, seed=cfg.seed, optim=dataclasses.replace(
                 optim, lr=cfg.critic_lr or cfg.lr)))
         self.generation = group("sampler", 1)
-        self.generation.build("sampler", HFSampler.from_pretrained, [dict(model_dir=self.model_dir)])
+        self.generation.build("sampler", HFSampler.from_pretrained, [dict(model_dir=self.model_dir, device=device)])
         self.scoring = group("rewards", 1)
         self.scoring.build("rewards", TaskScorer, [dict(task=self.task, on_error=cfg.on_reward_error,
                                                         timeout_s=cfg.reward_timeout_s, workers=cfg.reward_workers,

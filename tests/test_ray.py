@@ -4,8 +4,10 @@ extra workers; no processes left behind. Real Ray (a private local instance), re
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -102,15 +104,16 @@ print(json.dumps({"reward_mean": row["reward_mean"], "loss": row["loss"]}))
 """
 
 
-def test_join_a_cluster_by_address(tmp_path, tiny_dir):
+def test_join_a_cluster_by_address(tiny_dir):
     # loopback only (Ray otherwise maps 127.0.0.1 to the machine's address), with its own token
     env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
                         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     port = 6400 + os.getpid() % 500
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    temp_dir = tempfile.mkdtemp(prefix="rlray", dir="/tmp")  # short: Ray's socket paths have a length limit
     head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-                             f"--temp-dir={tmp_path}", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"],
+                             f"--temp-dir={temp_dir}", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"],
                             env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         out = subprocess.run([sys.executable, "-c", JOIN, f"127.0.0.1:{port}"], env=env, capture_output=True,
@@ -121,3 +124,4 @@ def test_join_a_cluster_by_address(tmp_path, tiny_dir):
     finally:
         os.killpg(head.pid, 15)  # only the processes this test started
         head.wait(timeout=60)
+        shutil.rmtree(temp_dir, ignore_errors=True)

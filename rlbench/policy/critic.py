@@ -22,11 +22,12 @@ class Critic:
 
     def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, micro_batch_tokens: int = 4096, clip_range: float = 0.5,
-                 seed: int = 0):
-        init_process_group(rank, world_size, init_method)
+                 seed: int = 0, device: str = "cpu"):
+        init_process_group(rank, world_size, init_method, device)
+        self.device = device
         torch.manual_seed(seed)
         model = models.from_pretrained(AutoModelForTokenClassification, model_dir, num_labels=1)
-        self.model = shard(model, world_size).train()
+        self.model = shard(model, world_size, device).train()
         self.optimizer = Optimizer(self.model, optim)
         self.micro_batch_tokens, self.clip_range = micro_batch_tokens, clip_range
 
@@ -36,8 +37,8 @@ class Critic:
         values_B_T = torch.zeros(batch["response_ids"].shape)
         start = 0
         for micro in rank_micro_batches(batch, self.micro_batch_tokens):
-            micro = micro.trimmed()
-            out = response_outputs(self.model, micro)[..., 0]
+            micro = micro.trimmed().to(self.device)
+            out = response_outputs(self.model, micro)[..., 0].cpu()
             values_B_T[start : start + len(micro), : out.shape[1]] = out
             start += len(micro)
         return values_B_T * batch["response_mask"]
@@ -48,7 +49,7 @@ class Critic:
         self.optimizer.zero_grad()
         sums: dict[str, float] = {}
         for micro in rank_micro_batches(mini, self.micro_batch_tokens):
-            micro = micro.trimmed()
+            micro = micro.trimmed().to(self.device)
             mask_B_T = loss_mask(micro)
             loss, metrics = alg.value_loss(response_outputs(self.model, micro)[..., 0], micro["values"],
                                            micro["returns"], mask_B_T, clip_range=self.clip_range, mode=mode,

@@ -35,12 +35,13 @@ def token_logp(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tenso
 
 
 @torch.no_grad()
-def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: int) -> torch.Tensor:
-    """Log-probs of every response token of `batch`, `[B, T]` (0 on padding), in micro-batches."""
+def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: int,
+               device: str | torch.device = "cpu") -> torch.Tensor:
+    """Log-probs of every response token of `batch`, `[B, T]` on CPU (0 on padding), in micro-batches."""
     logp_B_T = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
     start = 0
     for micro in rank_micro_batches(batch, micro_batch_tokens):
-        micro = micro.trimmed()
+        micro = micro.trimmed().to(device)
         logits_b_t_V = response_logits(model, micro, temperature)
         width = logits_b_t_V.shape[1]
         logp_B_T[start : start + len(micro), :width] = token_logp(logits_b_t_V, micro["response_ids"]).cpu()
@@ -76,6 +77,6 @@ def rank_micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
     chunks = micro_batches(batch, micro_batch_tokens)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return chunks
-    count = torch.tensor([len(chunks)])
+    count = torch.tensor([len(chunks)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return chunks if len(chunks) == int(count) else batch.chunk(int(count))

@@ -25,19 +25,19 @@ Every other metric is a per-micro-batch mean, averaged with token weights."""
 class Policy:
     def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, temperature: float = 1.0, micro_batch_tokens: int = 4096,
-                 seed: int = 0):
-        init_process_group(rank, world_size, init_method)
+                 seed: int = 0, device: str = "cpu"):
+        init_process_group(rank, world_size, init_method, device)
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
-        self.temperature, self.micro_batch_tokens = temperature, micro_batch_tokens
+        self.temperature, self.micro_batch_tokens, self.device = temperature, micro_batch_tokens, device
         model = models.from_pretrained(AutoModelForCausalLM, model_dir)
-        self.model = shard(model, world_size).train()
+        self.model = shard(model, world_size, device).train()
         self.optimizer = Optimizer(self.model, optim)
 
     def log_probs(self, batch: Batch) -> torch.Tensor:
         """Log-probs `[B, T]` of the batch's responses under the current weights (no gradient)."""
         return batch_logp(self.model, batch, temperature=self.temperature,
-                          micro_batch_tokens=self.micro_batch_tokens)
+                          micro_batch_tokens=self.micro_batch_tokens, device=self.device)
 
     def train_mini_batch(self, mini: Batch, algorithm: alg.Algorithm, *, num_tokens: int, num_seqs: int,
                          norm_length: int) -> dict[str, float]:
@@ -57,7 +57,7 @@ class Policy:
         """
         sums: dict[str, float] = {}
         for micro in rank_micro_batches(batch, self.micro_batch_tokens):
-            micro = micro.trimmed()
+            micro = micro.trimmed().to(self.device)
             terms = self._micro_loss(micro, algorithm, num_tokens=num_tokens, num_seqs=num_seqs,
                                      norm_length=norm_length)
             backward(terms["loss"])

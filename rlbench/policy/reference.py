@@ -15,11 +15,13 @@ class Reference:
     """The initial policy, frozen; sharded with FSDP2 over the same ranks as the policy."""
 
     def __init__(self, model_dir: str, *, rank: int = 0, world_size: int = 1, init_method: str | None = None,
-                 temperature: float = 1.0, micro_batch_tokens: int = 4096):
-        init_process_group(rank, world_size, init_method)
+                 temperature: float = 1.0, micro_batch_tokens: int = 4096, device: str = "cpu"):
+        init_process_group(rank, world_size, init_method, device)
         model = models.from_pretrained(AutoModelForCausalLM, model_dir).requires_grad_(False)
-        self.model = shard(model, world_size).eval()
+        self.model = shard(model, world_size, device).eval()
+        self.device = device
         self.temperature, self.micro_batch_tokens = temperature, micro_batch_tokens
 
     def log_probs(self, batch: Batch) -> torch.Tensor:
-        return batch_logp(self.model, batch, temperature=self.temperature, micro_batch_tokens=self.micro_batch_tokens)
+        return batch_logp(self.model, batch, temperature=self.temperature, micro_batch_tokens=self.micro_batch_tokens,
+                          device=self.device)

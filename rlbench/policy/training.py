@@ -65,9 +65,11 @@ def lr_lambda(schedule: str, warmup_steps: int, decay_steps: int):
     return factor
 
 
-def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
-    """FSDP2 over a one-dimensional CPU mesh: each transformer block, then the root."""
-    mesh = init_device_mesh("cpu", (world_size,))
+def shard(model: torch.nn.Module, world_size: int, device: str = "cpu") -> torch.nn.Module:
+    """FSDP2 over a one-dimensional mesh of `device` ("cpu": gloo, "cuda": NCCL): each transformer block,
+    then the root."""
+    model.to(device)
+    mesh = init_device_mesh(device, (world_size,))
     for module in model.modules():
         if type(module).__name__ in (getattr(model, "_no_split_modules", None) or []):
             fully_shard(module, mesh=mesh)
@@ -90,15 +92,16 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     return state if dist.get_rank() == 0 else None
 
 
-def init_process_group(rank: int, world_size: int, init_method: str | None = None) -> None:
-    """gloo for this process: an in-memory store at world size 1, else the rendezvous `init_method`
-    (tcp://host:port, chosen by the driver) or MASTER_ADDR / MASTER_PORT from the environment."""
+def init_process_group(rank: int, world_size: int, init_method: str | None = None, device: str = "cpu") -> None:
+    """gloo (CPU) or NCCL (CUDA) for this process: an in-memory store at world size 1, else the rendezvous
+    `init_method` (tcp://host:port, chosen by the driver) or MASTER_ADDR / MASTER_PORT from the environment."""
+    backend = "nccl" if device == "cuda" else "gloo"
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise RuntimeError(f"this process already belongs to a process group of size {dist.get_world_size()}, "
                                f"not {world_size}")
         return
     if world_size == 1:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)

@@ -35,10 +35,10 @@ class HFSampler:
         self.decoder = CompactDecoder(model) if decoder.supports(model) else TransformersDecoder(model)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> HFSampler:
-        """A sampler over its own copy of a local model directory's weights."""
+    def from_pretrained(cls, model_dir: str, device: str = "cpu") -> HFSampler:
+        """A sampler over its own copy of a local model directory's weights, on `device`."""
         model, tokenizer = models.load(model_dir)
-        return cls(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        return cls(model.to(device), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
