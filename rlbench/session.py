@@ -71,7 +71,6 @@ class Session:
         separate = 1 + need.needs_reference + need.needs_critic if cfg.placement == "separate" else 1
         if ray is not None:
             acquire_ray(ray, cpus_needed=(cfg.world_size * separate + 2) * cfg.cpus_per_worker)
-        self._ray = ray
         self._closer = weakref.finalize(self, _close_groups, self._groups, ray is not None)
         threads = cfg.threads or (1 if ray else min(2, os.cpu_count() or 1))
         device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
