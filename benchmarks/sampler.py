@@ -7,14 +7,13 @@ Run: .venv/bin/python benchmarks/sampler.py [--model tiny-arith] [--threads 1] [
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 import rlbench as rl
 from rlbench.batch import left_pad
 from rlbench.samplers import HFSampler, SamplingParams
+from timing import tokens_per_second
 
 
 def main():
@@ -33,8 +32,8 @@ def main():
         rows = [prompts[i % len(prompts)] for i in range(batch)]
         for temperature in (0.0, 1.0):
             params = SamplingParams(n=1, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=0)
-            ours = _rate(lambda: sampler.generate(rows, params)["response_mask"].sum(), args.repeats)
-            theirs = _rate(lambda: _generate(model, tokenizer, rows, params), args.repeats)
+            ours = tokens_per_second(lambda: sampler.generate(rows, params)["response_mask"].sum(), args.repeats)
+            theirs = tokens_per_second(lambda: _generate(model, tokenizer, rows, params), args.repeats)
             print(json.dumps({"bench": "sampler", "model": args.model, "threads": args.threads, "batch": batch,
                               "mode": "greedy" if temperature == 0 else "sampled",
                               "rlbench_tokens_per_s": round(ours), "generate_tokens_per_s": round(theirs),
@@ -51,16 +50,6 @@ def _generate(model, tokenizer, rows, params):
     is_eos = new == tokenizer.eos_token_id
     after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
     return (~after_eos).sum()
-
-
-def _rate(fn, repeats):
-    fn()  # warm-up
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = int(fn())
-        rates.append(tokens / (time.perf_counter() - start))
-    return statistics.median(rates)
 
 
 if __name__ == "__main__":

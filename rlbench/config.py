@@ -20,7 +20,22 @@ class Config:
     algorithm: Any = "grpo"
     """A preset name (`rl.algorithms.names()`) or an `rl.algorithms.Algorithm`."""
     sampler: Any = "auto"
-    """"hf" (transformers decode loop), "vllm", "auto" (vLLM where usable, else hf), or a Sampler object."""
+    """"hf" (transformers decode loop), "vllm", "auto" (vLLM on a GPU where installed, else hf; the session's
+    `sampler_choice` says which and why), or a Sampler object (inline only)."""
+    vllm_kv_cache_bytes: int | None = None
+    """vLLM sampler: KV cache size in bytes (None: rl.samplers.vllm.CPU_KV_CACHE_BYTES on CPU; on a GPU,
+    what vllm_gpu_memory_utilization leaves after weights and activations)."""
+    vllm_max_model_len: int | None = None
+    """vLLM sampler: longest prompt + completion in tokens (None: max_prompt_tokens + max_new_tokens, or
+    without max_prompt_tokens rl.samplers.vllm.MAX_MODEL_LEN capped at the model's limit)."""
+    vllm_enforce_eager: bool | None = None
+    """vLLM sampler: run without torch.compile / CUDA graphs (None: eager on CPU, graphs on a GPU)."""
+    vllm_gpu_memory_utilization: float | None = None
+    """vLLM sampler on a GPU, without vllm_kv_cache_bytes: the share of GPU memory it may take
+    (None: rl.samplers.vllm.GPU_MEMORY_UTILIZATION)."""
+    vllm_sleep: bool = False
+    """vLLM sampler on a GPU shared with the policy: sleep during update() (KV cache freed, weights moved
+    to CPU memory); loading the new weights wakes it."""
     cluster: Any = "inline"
     """"inline": every worker in this process (breakpoint() works anywhere); "ray": Ray actors on a private
     local Ray instance (or RAY_ADDRESS's cluster); `rl.Ray(address=...)` to join a given cluster."""
@@ -122,7 +137,7 @@ class Config:
         _choice("long_prompts", self.long_prompts, ["error", "drop"])
         if self.reward_workers <= 0:
             raise ValueError(f"reward_workers must be a positive integer, got {self.reward_workers!r}")
-        for name in ["max_prompt_tokens", "reward_timeout_s"]:
+        for name in ["max_prompt_tokens", "reward_timeout_s", "vllm_kv_cache_bytes", "vllm_max_model_len"]:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}")

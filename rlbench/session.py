@@ -25,7 +25,8 @@ from rlbench.policy.fsdp import loss_mask, merge_ranks
 from rlbench.policy.training import OptimSettings
 from rlbench.rewards import score_all
 from rlbench.sinks import make_sinks
-from rlbench.samplers import HFSampler, SamplingParams
+from rlbench.samplers import HFSampler, SamplingParams, VLLMSampler
+from rlbench.samplers import vllm as vllm_sampler
 
 
 class Session:
@@ -41,7 +42,7 @@ class Session:
         cfg = self.config
         self.algorithm = algorithms.get(cfg.algorithm)
         self.task = tasks.get(cfg.task)
-        _check_sampler(cfg.sampler)
+        _check_sampler(cfg.sampler, cfg.cluster)
         self.model_dir = str(models.resolve(cfg.model))
         self.tokenizer = models.load_tokenizer(self.model_dir)
         self.task = tasks.limit_prompt_tokens(self.task, self.tokenizer, cfg.max_prompt_tokens, on_long=cfg.long_prompts)
@@ -103,8 +104,9 @@ class Session:
             self.critic_workers = group("critic", cfg.world_size) if separate > 1 else self.workers
             self.critic_workers.build("critic", Critic, ranks(self.critic_workers, seed=cfg.seed, optim=dataclasses.replace(
                 optim, lr=cfg.critic_lr or cfg.lr)))
+        factory, kwargs, self.sampler_choice = _sampler_factory(cfg, self.model_dir, device)
         self.generation = group("sampler", 1)
-        self.generation.build("sampler", HFSampler.from_pretrained, [dict(model_dir=self.model_dir, device=device)])
+        self.generation.build("sampler", factory, [kwargs])
         self.scoring = group("rewards", 1)
         self.scoring.build("rewards", TaskScorer, [dict(task=self.task, on_error=cfg.on_reward_error,
                                                         timeout_s=cfg.reward_timeout_s, workers=cfg.reward_workers,
@@ -197,6 +199,8 @@ class Session:
         """Optimizer step(s) over the batch (and the critic's, if any), then push the new weights to the
         sampler (unless `sync=False`); returns the metrics averaged over optimizer steps."""
         cfg = self.config
+        if cfg.vllm_sleep and self.sampler_choice.startswith("vllm"):  # a GPU shared with the policy
+            self.generation.call("sampler", "sleep")
         with self._timed("update"):
             sums: dict[str, float] = {}
             steps = 0
@@ -370,7 +374,8 @@ class Session:
     def __repr__(self) -> str:
         cfg = self.config
         return (f"Session(model={cfg.model!r}, task={getattr(self.task, 'name', self.task)!r}, "
-                f"algorithm={self.algorithm.name!r}, cluster={cfg.cluster!r}, step={self.step_count})")
+                f"algorithm={self.algorithm.name!r}, cluster={cfg.cluster!r}, sampler={self.sampler_choice!r}, "
+                f"step={self.step_count})")
 
 
 class TaskScorer:
@@ -443,6 +448,30 @@ def _mix(*numbers: int) -> int:
     return seed
 
 
-def _check_sampler(sampler) -> None:
-    if isinstance(sampler, str) and sampler not in ("auto", "hf"):
-        raise ValueError(f"sampler={sampler!r} is not one of: 'auto', 'hf' (vLLM is not installed in this build)")
+def _check_sampler(sampler, cluster) -> None:
+    if isinstance(sampler, str) and sampler not in ("auto", "hf", "vllm"):
+        raise ValueError(f"sampler={sampler!r} is not one of: 'auto', 'hf', 'vllm' (or a Sampler object)")
+    if not isinstance(sampler, str) and cluster != "inline":
+        raise ValueError("a Sampler object runs in this process: use cluster='inline', or sampler='hf' / 'vllm'")
+
+
+def _sampler_factory(cfg: Config, model_dir: str, device: str):
+    """(factory, its keyword arguments, which sampler and why) for `cfg.sampler`.
+
+    "auto" takes vLLM on a GPU; on a CPU the HF decode loop, measured faster there than vLLM's CPU build
+    (benchmarks/vllm_sampler.py) and without its engine start-up.
+    """
+    if not isinstance(cfg.sampler, str):
+        return (lambda: cfg.sampler), {}, f"{type(cfg.sampler).__name__} (given)"
+    usable, why = vllm_sampler.available()
+    if cfg.sampler == "vllm" and not usable:
+        raise ValueError(f"sampler='vllm' cannot run here: {why}")
+    if cfg.sampler == "vllm" or (cfg.sampler == "auto" and usable and device == "cuda"):
+        longest = cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_new_tokens
+        settings = dict(kv_cache_bytes=cfg.vllm_kv_cache_bytes, max_model_len=cfg.vllm_max_model_len or longest,
+                        enforce_eager=cfg.vllm_enforce_eager, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                        sleep_mode=cfg.vllm_sleep)
+        return VLLMSampler.from_pretrained, dict(model_dir=model_dir, **settings), f"vllm: {why}"
+    reason = ("asked for" if cfg.sampler == "hf" else why if not usable
+              else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")
+    return HFSampler.from_pretrained, dict(model_dir=model_dir, device=device), f"hf: {reason}"

