@@ -21,12 +21,16 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import rlbench as rl
 from rlbench.batch import left_pad
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for the shared timing helper
+from timing import tokens_per_second  # noqa: E402
 from rlbench.policy import batch_logp
 from rlbench.samplers import HFSampler, SamplingParams, VLLMSampler
 
@@ -116,7 +120,7 @@ def large_checks(model_dir: str, settings: dict) -> None:
     for batch in (64, 256):
         params = SamplingParams(n=8, max_new_tokens=64, temperature=1.0, seed=0)
         batch_rows = prompts(tokenizer, batch // 8)
-        rates = {name: tokens_per_s(lambda s=s: s.generate(batch_rows, params)["response_mask"].sum())
+        rates = {name: tokens_per_second(lambda s=s: s.generate(batch_rows, params)["response_mask"].sum(), 3)
                  for name, s in [("hf", hf), ("vllm", sampler)]}
         report("large_tokens_per_s", batch=batch, n=8, max_new_tokens=64, hf=round(rates["hf"]),
                vllm=round(rates["vllm"]))
@@ -167,16 +171,6 @@ def median_seconds(fn, repeats: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def tokens_per_s(fn, repeats: int = 3) -> float:
-    fn()
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = int(fn())
-        rates.append(tokens / (time.perf_counter() - start))
-    return statistics.median(rates)
 
 
 if __name__ == "__main__":
