@@ -205,6 +205,18 @@ def acquire_ray(spec: Ray, cpus_needed: float) -> None:
     _OWNED["sessions"] += 1
 
 
+def check_resources(cpus: float, gpus: float, what: str) -> None:
+    """ValueError naming `what` when the Ray cluster in use has fewer CPUs or GPUs than asked for (its
+    actors would otherwise wait for resources forever)."""
+    import ray
+
+    have = ray.cluster_resources()
+    for kind, need in (("CPU", cpus), ("GPU", gpus)):
+        if need > have.get(kind, 0):
+            raise ValueError(f"{what} needs {need:g} {kind}s but the Ray cluster has {have.get(kind, 0):g}: "
+                             f"lower world_size or cpus_per_worker, or use a bigger cluster")
+
+
 def _private_settings() -> None:
     """A private instance listens on 127.0.0.1 only, with token authentication set explicitly: the user's
     RAY_AUTH_* settings if any, else a fresh random token for this process and the Ray processes it starts."""

@@ -101,6 +101,15 @@ class Config:
     wandb_project: str | None = None
     """Also log every step's metrics to this Weights & Biases project, as a run named RUN_NAME (needs
     `pip install 'rlbench[wandb]'` and `wandb login`, or WANDB_MODE=offline); None = off."""
+    save_every: int = 0
+    """run() saves a checkpoint every this many steps (0 = never), into save_dir."""
+    save_dir: str | None = None
+    """Where run() and save() put checkpoints (None = LOG_DIR/RUN_NAME/checkpoints)."""
+    keep_last: int = 3
+    """Checkpoints kept in save_dir: older ones are deleted after each save (0 = keep all)."""
+    max_skipped_updates: int = 10
+    """A non-finite loss or gradient norm skips that optimizer step (the reason goes to
+    `session.skipped_updates`); after this many skipped steps the session stops with an error."""
     max_prompt_tokens: int | None = None
     """Longest prompt in tokens, as the session renders it (None = no limit); see long_prompts."""
     long_prompts: str = "error"
@@ -125,13 +134,15 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ["lr_warmup_steps", "top_k", "threads"]:
+        for name in ["lr_warmup_steps", "top_k", "threads", "save_every", "keep_last", "max_skipped_updates"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if self.critic_lr is not None and not self.critic_lr > 0:
             raise ValueError(f"critic_lr must be > 0 (or None for lr), got {self.critic_lr!r}")
+        if self.save_every and self.save_dir is None and self.log_dir is None:
+            raise ValueError("save_every needs a place for checkpoints: set save_dir (or log_dir)")
         if self.tensorboard and self.log_dir is None:
             raise ValueError("tensorboard=True writes its event files under log_dir: set log_dir")
         _choice("long_prompts", self.long_prompts, ["error", "drop"])
@@ -170,6 +181,31 @@ class Config:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_record(self) -> dict:
+        """The fields as JSON values (what a checkpoint keeps); a Python object given for a field (a Task,
+        an Algorithm, a Sampler, rl.Ray) cannot be kept and becomes {"python_object": its repr}."""
+        def plain(value):
+            if value is None or isinstance(value, (bool, int, float, str)):
+                return value
+            if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+                return list(value)
+            return {"python_object": repr(value)}
+        return {name: plain(value) for name, value in self.to_dict().items()}
+
+    @classmethod
+    def from_record(cls, record: dict, **overrides) -> Config:
+        """A checked Config from `to_record()`'s output and replacement values; a field that was a Python
+        object must be among `overrides` (ValueError naming it otherwise)."""
+        values = {k: v for k, v in record.items() if k in cls.fields()} | overrides
+        lost = {k: v["python_object"] for k, v in values.items() if isinstance(v, dict) and "python_object" in v}
+        if lost:
+            raise ValueError("these fields were Python objects, which a checkpoint cannot hold; pass them again, "
+                             "e.g. Session.restore(path, name=...): "
+                             + "; ".join(f"{k} (was {v})" for k, v in lost.items()))
+        defaults = cls()
+        values = {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in values.items()}
+        return make_config(**values)
 
     @classmethod
     def fields(cls) -> list[str]:

@@ -8,18 +8,23 @@ This is the only module that knows every part: task, sampler, reward, policy, re
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import random
 import time
+import warnings
 import weakref
 from contextlib import contextmanager
+from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rlbench import algorithms, models, tasks
+from rlbench import algorithms, checkpoints, models, tasks
 from rlbench.batch import Batch, left_pad
 from rlbench.config import Config, make_config
-from rlbench.cluster import Ray, WorkerDied, WorkerGroup, acquire_ray, release_ray
+from rlbench.cluster import Ray, WorkerDied, WorkerGroup, acquire_ray, check_resources, release_ray
 from rlbench.policy import Critic, Policy, Reference
 from rlbench.policy.fsdp import loss_mask, merge_ranks
 from rlbench.policy.training import OptimSettings
@@ -60,7 +65,10 @@ class Session:
         self.sinks = make_sinks(cfg.log_dir, self.run_name, tensorboard=cfg.tensorboard,
                                 wandb_project=cfg.wandb_project, config=cfg.to_dict())
         """Where every metrics row also goes: JSONL by default, TensorBoard and wandb when configured."""
+        self.skipped_updates: list[dict] = []
+        """Optimizer steps skipped for a non-finite loss or gradient: {"step", "reason"} each."""
         self._stop_requested = False
+        self._sampler_synced = True  # False after update(sync=False): checkpoints then keep the sampler's weights
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, shuffled example indices)
         self._timings: dict[str, float] = {}
 
@@ -70,12 +78,23 @@ class Session:
         cfg, need = self.config, self.algorithm
         ray = cfg.cluster if isinstance(cfg.cluster, Ray) else Ray() if cfg.cluster == "ray" else None
         separate = 1 + need.needs_reference + need.needs_critic if cfg.placement == "separate" else 1
-        if ray is not None:
-            acquire_ray(ray, cpus_needed=(cfg.world_size * separate + 2) * cfg.cpus_per_worker)
-        self._closer = weakref.finalize(self, _close_groups, self._groups, ray is not None)
-        threads = cfg.threads or (1 if ray else min(2, os.cpu_count() or 1))
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA GPU here: use device='cpu' or 'auto'")
         device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         gpus = 1 if device == "cuda" and ray is not None else 0
+        processes = cfg.world_size * separate + 2  # policy ranks (and their reference / critic), sampler, rewards
+        if ray is not None:
+            acquire_ray(ray, cpus_needed=processes * cfg.cpus_per_worker)
+        self._closer = weakref.finalize(self, _close_groups, self._groups, ray is not None)
+        if ray is not None:
+            try:
+                check_resources(processes * cfg.cpus_per_worker, (processes - 1) * gpus,
+                                f"world_size={cfg.world_size} (placement={cfg.placement!r}: {processes} worker "
+                                f"processes at cpus_per_worker={cfg.cpus_per_worker:g})")
+            except ValueError:
+                self._closer()
+                raise
+        threads = cfg.threads or (1 if ray else min(2, os.cpu_count() or 1))
         optim = OptimSettings(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                               lr_schedule=cfg.lr_schedule, lr_warmup_steps=cfg.lr_warmup_steps,
                               lr_decay_steps=cfg.lr_decay_steps)
@@ -218,6 +237,7 @@ class Session:
                     sums = {k: sums.get(k, 0.0) + v for k, v in stats.items()}
                     steps += 1
             metrics = {k: v / steps for k, v in sums.items()} | {"skipped": sums["skipped"]}
+        self._sampler_synced = False
         if sync:
             self.sync_weights()
         return metrics
@@ -245,6 +265,7 @@ class Session:
         with self._timed("sync"):
             arrays = self.workers.ref("policy", "state_arrays")
             self.generation.call("sampler", "load_weights", arrays)
+        self._sampler_synced = True
 
     # --------------------------------------------------------------------------------- the loop
     def step(self) -> dict:
@@ -265,26 +286,157 @@ class Session:
             sink.write(row)
         for callback in self.callbacks:
             callback(self, row)
+        if stats["skipped"]:
+            self._skipped(stats)
         return row
 
-    def run(self, steps: int, *, progress: bool = True):
-        """`steps` more iterations with a progress bar; returns `metrics`.
+    def run(self, steps: int, *, progress: bool = True, retries: int = 0):
+        """`steps` more iterations with a progress bar, saving a checkpoint every `save_every` steps;
+        returns `metrics`.
 
-        `request_stop()` (e.g. the dashboard's stop button, or a callback) ends it after the current step.
+        `retries`: when a worker dies (a Ray actor killed, a node lost), restart the workers, restore the
+        latest checkpoint of `save_dir` and go on, at most this many times (a checkpoint is saved before
+        the first step if there is none). `request_stop()` (e.g. the dashboard's stop button, or a
+        callback) ends it after the current step.
         """
         self._stop_requested = False
-        bar = tqdm(range(steps), desc="rlbench", disable=not progress)
-        for _ in bar:
-            row = self.step()
+        first, target = self.step_count, self.step_count + steps
+        if retries and not checkpoints.step_dirs(self._save_dir()):
+            self.save()
+        bar = tqdm(total=steps, desc="rlbench", disable=not progress)
+        while self.step_count < target and not self._stop_requested:
+            try:
+                row = self.step()
+            except WorkerDied as error:
+                if retries <= 0:
+                    raise
+                retries -= 1
+                folder = self._recover()
+                warnings.warn(f"{error}; restored {folder} and going on ({retries} retries left)", stacklevel=2)
+                bar.n = max(self.step_count - first, 0)
+                bar.refresh()
+                continue
+            bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
-            if self._stop_requested:
-                break
+            if self.config.save_every and self.step_count % self.config.save_every == 0:
+                self.save()
         bar.close()
         return self.metrics
 
     def request_stop(self) -> None:
         """Ask a running `run()` to return after the step in progress (safe from callbacks and other threads)."""
         self._stop_requested = True
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save(self, path: str | os.PathLike | None = None, *, keep_last: int | None = None) -> Path:
+        """Checkpoint everything a resumed run needs into PATH/step-NNNNNN (PATH: `save_dir`) and return it.
+
+        Kept: the policy's weights and optimizer state, sharded (torch.distributed.checkpoint: any world
+        size can load them), its LR schedule, the critic and reference where present, the sampler's weights
+        when they lag the policy's, the data position, every RNG, the metrics so far and the configuration.
+        Atomic: a crash mid-save leaves the earlier checkpoints whole. Keeps the newest `keep_last`
+        (default: the config's; 0 = all).
+        """
+        root = Path(path or self._save_dir()).resolve()
+        keep_last = self.config.keep_last if keep_last is None else keep_last
+        with checkpoints.writing(root, self.step_count, keep_last=keep_last) as folder:
+            for workers, name in self._trained_groups():
+                workers.call(name, "save_checkpoint", str(folder / name))
+            if not self._sampler_synced:
+                torch.save(self.generation.call("sampler", "state_dict")[0], folder / "sampler.pt")
+            (folder / "config.json").write_text(json.dumps(self.config.to_record(), indent=1))
+            torch.save(self._state(), folder / "session.pt")
+        return root / f"step-{self.step_count:06d}"
+
+    @classmethod
+    def restore(cls, path: str | os.PathLike, **overrides) -> Session:
+        """A session continuing from a checkpoint: a `save()` folder, or the latest one under a checkpoint
+        root. Keyword arguments replace saved settings (e.g. `cluster="ray"`, `world_size=2`: the sharded
+        state reloads at any world size); fields that were Python objects (a Task, an Algorithm) must be
+        passed again. The run goes on under its saved run_name, and exactly as it would have without the
+        stop: same data order, same sampling seeds, same optimizer state.
+        """
+        folder = checkpoints.resolve(path)
+        state = torch.load(folder / "session.pt", weights_only=True)
+        record = json.loads((folder / "config.json").read_text())
+        config = Config.from_record(record, **{"run_name": state["run_name"]} | overrides)
+        session = cls(**config.to_dict())
+        session._load(folder, state)
+        return session
+
+    def export(self, path: str | os.PathLike) -> Path:
+        """The policy's current weights as a Hugging Face model folder (config, safetensors, tokenizer),
+        loadable by `AutoModelForCausalLM.from_pretrained`, vLLM, and `rl.Session(model=path)`."""
+        path = Path(path).resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        self.workers.call("policy", "export", str(path))
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    def _save_dir(self) -> Path:
+        cfg = self.config
+        if cfg.save_dir is None and cfg.log_dir is None:
+            raise ValueError("no place for checkpoints: pass save(path), or set save_dir (or log_dir)")
+        return Path(cfg.save_dir) if cfg.save_dir is not None else Path(cfg.log_dir) / self.run_name / "checkpoints"
+
+    def _trained_groups(self) -> list[tuple[WorkerGroup, str]]:
+        """(worker group, object name) of every model a checkpoint keeps."""
+        parts = [(self.workers, "policy"), (self.reference_workers, "reference"), (self.critic_workers, "critic")]
+        return [(workers, name) for workers, name in parts if workers is not None]
+
+    def _state(self) -> dict:
+        """The controller's side of a checkpoint: counters, metrics, the KL controller, its RNGs."""
+        kind, key, position, has_gauss, gauss = np.random.get_state()
+        return {"run_name": self.run_name, "step_count": self.step_count, "examples_seen": self.examples_seen,
+                "rollouts_done": self.rollouts_done, "history": self.history,
+                "skipped_updates": self.skipped_updates,
+                "reward_kl": None if self.reward_kl is None else dataclasses.asdict(self.reward_kl),
+                "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
+                        "numpy": (kind, torch.from_numpy(key.astype(np.int64)), position, has_gauss, gauss)}}
+
+    def _load(self, folder: Path, state: dict) -> None:
+        """Put a checkpoint's state into this session's workers and controller."""
+        for workers, name in self._trained_groups():
+            workers.call(name, "load_checkpoint", str(folder / name))
+        self.step_count, self.examples_seen = state["step_count"], state["examples_seen"]
+        self.rollouts_done, self.history = state["rollouts_done"], list(state["history"])
+        self.skipped_updates = list(state["skipped_updates"])
+        if state["reward_kl"] is not None:
+            self.reward_kl = dataclasses.replace(self.reward_kl, **state["reward_kl"])
+        self._order = (-1, [])
+        rng = state["rng"]
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        kind, key, position, has_gauss, gauss = rng["numpy"]
+        np.random.set_state((kind, key.numpy().astype(np.uint32), position, has_gauss, gauss))
+        for sink in self.sinks:
+            sink.resume(self.history)
+        if (folder / "sampler.pt").is_file():
+            self.generation.call("sampler", "load_weights", torch.load(folder / "sampler.pt", weights_only=True))
+            self._sampler_synced = False
+        else:
+            self.sync_weights()
+
+    def _recover(self) -> Path:
+        """After a worker died: end every worker, start them afresh and load the latest checkpoint."""
+        folder = checkpoints.resolve(self._save_dir())
+        self._closer()
+        self._start_workers()
+        self._load(folder, torch.load(folder / "session.pt", weights_only=True))
+        return folder
+
+    def _skipped(self, stats: dict) -> None:
+        """Record an optimizer step skipped for non-finite numbers; stop past `max_skipped_updates`."""
+        reason = "non-finite loss" if stats.get("nonfinite_loss") else "non-finite gradient norm"
+        self.skipped_updates.append({"step": self.step_count - 1, "reason": reason})
+        limit = self.config.max_skipped_updates
+        warnings.warn(f"step {self.step_count - 1}: optimizer step skipped ({reason}); the weights are unchanged "
+                      f"({len(self.skipped_updates)} skipped, max_skipped_updates={limit})", stacklevel=3)
+        if len(self.skipped_updates) > limit:
+            raise FloatingPointError(
+                f"{len(self.skipped_updates)} optimizer steps were skipped for non-finite numbers, more than "
+                f"max_skipped_updates={limit}: {self.skipped_updates[-3:]} (latest). The weights are those "
+                f"before the skipped steps; look for NaN/inf in rewards and advantages, or lower lr.")
 
     def plot(self, **kwargs):
         """A matplotlib Figure of this run's metrics: reward, accuracy, KL, entropy, clip fraction, response

@@ -1,6 +1,6 @@
 """Where metrics rows go besides `session.metrics`: a JSONL file per run, TensorBoard, Weights & Biases.
 
-A sink has `write(row: dict)` and `close()`. Rows are flat dicts of numbers, one per step, with a "step".
+A sink has `write(row: dict)`, `resume(rows)` (a restored session goes on from these rows) and `close()`. Rows are flat dicts of numbers, one per step, with a "step".
 JSONL is on by default; TensorBoard and wandb are optional packages, off unless asked for (`make_sinks`).
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import os
 from pathlib import Path
 
 
@@ -24,6 +25,14 @@ class JsonlSink:
             self._file = self.path.open("a")
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+
+    def resume(self, rows: list[dict]) -> None:
+        """Make the file hold exactly `rows` (a checkpoint's metrics): steps logged after that checkpoint,
+        by a run that crashed, are about to be redone."""
+        self.close()
+        partial = self.path.with_suffix(".jsonl.partial")
+        partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        os.replace(partial, self.path)
 
     def close(self) -> None:
         if self._file is not None:
@@ -59,6 +68,9 @@ class TensorBoardSink:
             self._writer.add_scalar(name, value, global_step=int(row["step"]))
         self._writer.flush()  # a step is seconds of work: make it visible at once
 
+    def resume(self, rows: list[dict]) -> None:
+        """Nothing to rewrite: redone steps are written again, and TensorBoard shows the latest value per step."""
+
     def close(self) -> None:
         self._writer.close()
 
@@ -83,6 +95,9 @@ class WandbSink:
 
     def write(self, row: dict) -> None:
         self._run.log(_numbers(row), step=int(row["step"]))
+
+    def resume(self, rows: list[dict]) -> None:
+        """Nothing to rewrite: wandb takes only increasing steps, so it logs again from past the last step it has."""
 
     def close(self) -> None:
         self._run.finish()

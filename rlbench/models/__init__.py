@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from rlbench.models.arithmetic_data import arithmetic_split
 from rlbench.models.tiny_arith import build_tiny_model
 from rlbench.models.tokenizer import build_tokenizer
 
-__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "from_pretrained", "load", "load_tokenizer", "names", "resolve"]
+__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "from_pretrained", "load", "load_tokenizer", "names", "quiet_transformers", "resolve"]
 
 _BUILTINS: dict[str, Callable[[int], Path]] = {tiny_arith.NAME: tiny_arith.ensure_built,
                                                 tiny_mix.NAME: tiny_mix.ensure_built}
@@ -74,11 +75,18 @@ def load_tokenizer(model: str | os.PathLike, *, seed: int = 0) -> PreTrainedToke
 
 def from_pretrained(auto_class, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **kwargs):
     """`auto_class.from_pretrained` from local files only, without transformers' per-tensor progress bar."""
+    with quiet_transformers():  # e.g. a critic's value head is new by design: no load report
+        return auto_class.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
+
+
+@contextmanager
+def quiet_transformers():
+    """No progress bars and only errors from transformers inside the block (loading and saving tiny models)."""
     bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()  # e.g. a critic's value head is new by design: no load report
+    hf_logging.set_verbosity_error()
     try:
-        return auto_class.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
+        yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

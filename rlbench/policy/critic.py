@@ -8,6 +8,7 @@ from transformers import AutoModelForTokenClassification
 from rlbench import algorithms as alg
 from rlbench import models
 from rlbench.batch import Batch
+from rlbench.policy import checkpoint
 from rlbench.policy.forward import rank_micro_batches, response_outputs
 from rlbench.policy.fsdp import loss_mask
 from rlbench.policy.training import OptimSettings, Optimizer, backward, init_process_group, shard
@@ -30,6 +31,12 @@ class Critic:
         self.model = shard(model, world_size, device).train()
         self.optimizer = Optimizer(self.model, optim)
         self.micro_batch_tokens, self.clip_range = micro_batch_tokens, clip_range
+
+    def save_checkpoint(self, path: str) -> None:
+        checkpoint.save(path, self.model, self.optimizer)
+
+    def load_checkpoint(self, path: str) -> None:
+        checkpoint.load(path, self.model, self.optimizer)
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:

@@ -8,12 +8,16 @@ the gradient of an optimizer step does not depend on how the mini-batch was cut.
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from rlbench import algorithms as alg
 from rlbench import models
 from rlbench.batch import Batch
+from rlbench.policy import checkpoint
 from rlbench.policy.forward import batch_logp, rank_micro_batches, response_logits, token_logp
 from rlbench.policy.training import OptimSettings, Optimizer, backward, full_state_dict, init_process_group, shard
 
@@ -45,7 +49,7 @@ class Policy:
         self.optimizer.zero_grad()
         metrics = self.forward_backward(mini, algorithm, num_tokens=num_tokens, num_seqs=num_seqs,
                                         norm_length=norm_length)
-        return metrics | self.optim_step()
+        return metrics | self.optim_step(finite_loss=math.isfinite(metrics["loss"]))
 
     def forward_backward(self, batch: Batch, algorithm: alg.Algorithm, *, num_tokens: int, num_seqs: int,
                          norm_length: int) -> dict[str, float]:
@@ -67,9 +71,12 @@ class Policy:
                 sums[name] = sums.get(name, 0.0) + weight * float(value.detach())
         return sums
 
-    def optim_step(self) -> dict[str, float]:
-        """Clip, step and advance the LR schedule; a non-finite gradient norm skips the step (recorded)."""
-        return self.optimizer.step()
+    def optim_step(self, *, finite_loss: bool = True) -> dict[str, float]:
+        """Clip, step and advance the LR schedule; a non-finite gradient norm, or a non-finite loss on any
+        rank (`finite_loss` of this rank), skips the step on every rank (recorded)."""
+        finite = torch.tensor([float(finite_loss)], device=self.device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return self.optimizer.step(finite_loss=bool(finite.item()))
 
     def _micro_loss(self, micro: Batch, algorithm: alg.Algorithm, **counts) -> dict[str, torch.Tensor]:
         logits_B_T_V = response_logits(self.model, micro, self.temperature)
@@ -85,13 +92,25 @@ class Policy:
         """The full, unsharded weights on CPU on rank 0 (every rank takes part; the others get None)."""
         return full_state_dict(self.model)
 
+    def save_checkpoint(self, path: str) -> None:
+        """Write this rank's shards of the weights and optimizer state, its scheduler and RNG under `path`."""
+        checkpoint.save(path, self.model, self.optimizer)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a `save_checkpoint` folder (written by any number of ranks)."""
+        checkpoint.load(path, self.model, self.optimizer)
+
+    def export(self, path: str) -> None:
+        """The current weights as a Hugging Face model folder at `path` (written by rank 0)."""
+        checkpoint.export(path, self.model)
+
     def state_arrays(self) -> dict[str, "numpy.ndarray"] | None:  # noqa: F821
         """`state_dict()` as numpy arrays (views, no copy): what crosses Ray's object store zero-copy."""
         state = self.state_dict()
         return None if state is None else {k: v.numpy() for k, v in state.items()}
 
 
-OPTIMIZER_KEYS = frozenset({"grad_norm", "skipped", "lr", "vf_grad_norm"})
+OPTIMIZER_KEYS = frozenset({"grad_norm", "skipped", "lr", "vf_grad_norm", "nonfinite_loss", "nonfinite_grad"})
 """Metrics every rank reports identically (one optimizer step over the whole model)."""
 
 

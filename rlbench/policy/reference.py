@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from rlbench import models
 from rlbench.batch import Batch
+from rlbench.policy import checkpoint
 from rlbench.policy.forward import batch_logp
 from rlbench.policy.training import init_process_group, shard
 
@@ -25,3 +26,9 @@ class Reference:
     def log_probs(self, batch: Batch) -> torch.Tensor:
         return batch_logp(self.model, batch, temperature=self.temperature, micro_batch_tokens=self.micro_batch_tokens,
                           device=self.device)
+
+    def save_checkpoint(self, path: str) -> None:
+        checkpoint.save(path, self.model)
+
+    def load_checkpoint(self, path: str) -> None:
+        checkpoint.load(path, self.model)

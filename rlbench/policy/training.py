@@ -37,18 +37,20 @@ class Optimizer:
     def zero_grad(self) -> None:
         self.adamw.zero_grad(set_to_none=True)
 
-    def step(self) -> dict[str, float]:
-        """Clip, step and advance the schedule; a non-finite gradient norm skips the step (recorded)."""
+    def step(self, *, finite_loss: bool = True) -> dict[str, float]:
+        """Clip, step and advance the schedule. A non-finite gradient norm, or `finite_loss=False`, skips
+        the step and leaves weights and optimizer state as they were (recorded in the returned metrics)."""
         max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        finite = math.isfinite(grad_norm)
-        if finite:
+        finite_grad = math.isfinite(grad_norm)
+        if finite_grad and finite_loss:
             self.adamw.step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.zero_grad()
-        return {"grad_norm": grad_norm, "skipped": float(not finite), "lr": lr}
+        return {"grad_norm": grad_norm, "skipped": float(not (finite_grad and finite_loss)), "lr": lr,
+                "nonfinite_loss": float(not finite_loss), "nonfinite_grad": float(not finite_grad)}
 
 
 def lr_lambda(schedule: str, warmup_steps: int, decay_steps: int):

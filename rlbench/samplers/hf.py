@@ -71,6 +71,10 @@ class HFSampler:
             "finished": done_B.cpu(),
         })
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights it samples with (behind the policy's after `update(sync=False)`; checkpoints keep them)."""
+        return self.model.state_dict()
+
     def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
         """Copy a full state dict (tensors, or numpy arrays such as read-only views from Ray's object store)."""
         missing, unexpected = self.model.load_state_dict(as_tensors(state_dict), strict=False)
