@@ -86,6 +86,12 @@ class Config:
     """Passes over one step's batch (PPO epochs)."""
     micro_batch_tokens: int = 4096
     """Most tokens (rows x padded length) in one forward/backward; gradients accumulate across them."""
+    on_policy_old_logp: bool = False
+    """Skip the separate `old_logp` forward of `advantage()`: the update uses its own detached log-probs as
+    `old_logp` (the same numbers, since the weights that update are the ones that sampled: ratio exactly 1)
+    and reports the sampler mismatch from that forward. Needs one epoch and one mini-batch per step, and an
+    algorithm without rollout correction or KL in the reward (they read `old_logp` before the update); the
+    batch then has no `old_logp` column."""
 
     eval_samples: int = 1
     """Sampled completions per held-out prompt in `evaluate()` (sampled accuracy averages them)."""
@@ -172,6 +178,9 @@ class Config:
         if rows // self.mini_batches_per_step < self.world_size:
             raise ValueError(f"a mini-batch of {rows // self.mini_batches_per_step} samples cannot be split across "
                              f"world_size={self.world_size} ranks: raise prompts_per_step or samples_per_prompt")
+        if self.on_policy_old_logp and (self.epochs_per_step > 1 or self.mini_batches_per_step > 1):
+            raise ValueError("on_policy_old_logp needs epochs_per_step=1 and mini_batches_per_step=1: later "
+                             "optimizer steps of a batch are off-policy and need the recorded old_logp")
         if rows % self.mini_batches_per_step:
             raise ValueError(
                 f"mini_batches_per_step={self.mini_batches_per_step} does not divide the step's "

@@ -26,7 +26,7 @@ from rlbench.batch import Batch, left_pad
 from rlbench.config import Config, make_config
 from rlbench.cluster import Ray, WorkerDied, WorkerGroup, acquire_ray, check_resources, release_ray
 from rlbench.policy import Critic, Policy, Reference
-from rlbench.policy.fsdp import loss_mask, merge_ranks
+from rlbench.policy.fsdp import loss_mask, merge_ranks, sampler_mismatch
 from rlbench.policy.training import OptimSettings
 from rlbench.rewards import score_all
 from rlbench.sinks import make_sinks
@@ -46,6 +46,9 @@ class Session:
         self.config: Config = make_config(**kwargs)
         cfg = self.config
         self.algorithm = algorithms.get(cfg.algorithm)
+        if cfg.on_policy_old_logp and (self.algorithm.correction is not None or self.algorithm.reward_kl_coef):
+            raise ValueError(f"on_policy_old_logp: algorithm {self.algorithm.name!r} reads old_logp before the "
+                             "update (rollout correction or KL in the reward)")
         self.task = tasks.get(cfg.task)
         _check_sampler(cfg.sampler, cfg.cluster)
         self.model_dir = str(models.resolve(cfg.model))
@@ -189,7 +192,8 @@ class Session:
         algorithm = self.algorithm
         with self._timed("advantage"):
             mask_B_T = batch["response_mask"].float()
-            columns = {"old_logp": self.workers.map_rows("policy", "log_probs", batch)}
+            columns = {} if self.config.on_policy_old_logp else {
+                "old_logp": self.workers.map_rows("policy", "log_probs", batch)}
             meta = {}
             if self.reference_workers is not None:
                 columns["ref_logp"] = self.reference_workers.map_rows("reference", "log_probs", batch)
@@ -209,7 +213,7 @@ class Session:
                 meta |= {k: float(v) for k, v in stats.items()}
             advantages_B_T, returns_B_T = algorithm.advantage(
                 rewards_B_T, mask_B_T, group_ids=batch["group_ids"], values_B_T=columns.get("values"),
-                baselines_B=batch.tensors.get("baseline_reward"), old_logp_B_T=columns["old_logp"],
+                baselines_B=batch.tensors.get("baseline_reward"), old_logp_B_T=columns.get("old_logp"),
                 **algorithm.advantage_kwargs)
             return batch.with_columns(**columns, token_rewards=rewards_B_T, advantages=advantages_B_T,
                                       returns=returns_B_T).with_meta(**meta)
@@ -568,7 +572,9 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     """Per-step summaries of a scored, advantaged batch (and its whole-batch `meta` values)."""
     mask_B_T = batch["response_mask"].float()
     valid = mask_B_T.sum().clamp(min=1)
-    delta_B_T = (batch["sampler_logp"] - batch["old_logp"]).abs() * mask_B_T
+    mismatch = {}
+    if "old_logp" in batch:  # else (on_policy_old_logp) the update reports it
+        mismatch = {k: float(v) for k, v in sampler_mismatch(batch["old_logp"], batch["sampler_logp"], mask_B_T).items()}
     return {
         "reward_mean": float(batch["reward"].mean()),
         "reward_std": float(batch["reward"].std()) if len(batch) > 1 else 0.0,
@@ -578,9 +584,7 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "response_length": float(mask_B_T.sum(-1).mean()),
         "truncated_frac": float((~batch["finished"]).float().mean()),
         "advantage_abs_mean": float((batch["advantages"].abs() * mask_B_T).sum() / valid),
-        "sampler_mismatch_mean": float(delta_B_T.sum() / valid),
-        "sampler_mismatch_max": float(delta_B_T.max()),
-    } | {k: float(v) for k, v in batch.meta.items()}
+    } | mismatch | {k: float(v) for k, v in batch.meta.items()}
 
 
 def _accuracy(batch: Batch) -> torch.Tensor:

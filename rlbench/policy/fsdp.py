@@ -24,6 +24,8 @@ from rlbench.policy.training import OptimSettings, Optimizer, backward, full_sta
 SUMMED_TERMS = frozenset({"loss", "pg_loss", "kl_loss", "entropy"})
 """Terms `Algorithm.actor_loss` reduces with the mini-batch's counts: they add up over micro-batches.
 Every other metric is a per-micro-batch mean, averaged with token weights."""
+MAX_TERMS = frozenset({"sampler_mismatch_max"})
+"""Metrics that are maxima: the largest over micro-batches and ranks."""
 
 
 class Policy:
@@ -67,8 +69,11 @@ class Policy:
             backward(terms["loss"])
             share = float(loss_mask(micro).sum()) / max(num_tokens, 1)
             for name, value in terms.items():
-                weight = 1.0 if name in SUMMED_TERMS else share
-                sums[name] = sums.get(name, 0.0) + weight * float(value.detach())
+                if name in MAX_TERMS:
+                    sums[name] = max(sums.get(name, 0.0), float(value))
+                else:
+                    weight = 1.0 if name in SUMMED_TERMS else share
+                    sums[name] = sums.get(name, 0.0) + weight * float(value.detach())
         return sums
 
     def optim_step(self, *, finite_loss: bool = True) -> dict[str, float]:
@@ -81,12 +86,18 @@ class Policy:
     def _micro_loss(self, micro: Batch, algorithm: alg.Algorithm, **counts) -> dict[str, torch.Tensor]:
         logits_B_T_V = response_logits(self.model, micro, self.temperature)
         entropy_B_T = alg.entropy_from_logits(logits_B_T_V)
+        logp_B_T = token_logp(logits_B_T_V, micro["response_ids"])
+        if "old_logp" in micro:
+            old_logp_B_T, mismatch = micro["old_logp"], {}
+        else:  # Config.on_policy_old_logp: these weights sampled the batch, old_logp is this forward's
+            old_logp_B_T = logp_B_T.detach()
+            mismatch = sampler_mismatch(old_logp_B_T, micro["sampler_logp"], micro["response_mask"])
         loss, metrics = algorithm.actor_loss(
-            token_logp(logits_B_T_V, micro["response_ids"]), micro["old_logp"], micro["advantages"],
+            logp_B_T, old_logp_B_T, micro["advantages"],
             loss_mask(micro), ref_logp_B_T=micro.tensors.get("ref_logp"),
             entropy_B_T=entropy_B_T if algorithm.entropy_coef else entropy_B_T.detach(),
             weights_B_T=micro.tensors.get("correction_weights"), **counts)
-        return metrics | {"loss": loss}
+        return metrics | mismatch | {"loss": loss}
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full, unsharded weights on CPU on rank 0 (every rank takes part; the others get None)."""
@@ -117,8 +128,16 @@ OPTIMIZER_KEYS = frozenset({"grad_norm", "skipped", "lr", "vf_grad_norm", "nonfi
 def merge_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One metrics dict from every rank's `train_mini_batch`: loss terms and token-weighted metrics were
     computed with the global counts, so they add up across ranks; optimizer values are rank 0's."""
-    merged = {k: sum(m[k] for m in per_rank) for k in per_rank[0] if k not in OPTIMIZER_KEYS}
+    merged = {k: (max if k in MAX_TERMS else sum)(m[k] for m in per_rank) for k in per_rank[0] if k not in OPTIMIZER_KEYS}
     return merged | {k: per_rank[0][k] for k in OPTIMIZER_KEYS if k in per_rank[0]}
+
+
+def sampler_mismatch(logp_B_T: torch.Tensor, sampler_logp_B_T: torch.Tensor,
+                     mask_B_T: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean and max over valid tokens of |trainer log-prob - sampler log-prob|: how a broken weight sync shows."""
+    delta_B_T = (sampler_logp_B_T - logp_B_T).abs() * mask_B_T
+    return {"sampler_mismatch_mean": delta_B_T.sum() / mask_B_T.sum().clamp(min=1),
+            "sampler_mismatch_max": delta_B_T.max()}
 
 
 def loss_mask(batch: Batch) -> torch.Tensor:

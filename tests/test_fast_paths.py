@@ -1,0 +1,58 @@
+"""The performance shortcuts compute exactly what the plain path computes."""
+
+import pytest
+import torch
+
+import rlbench as rl
+from rlbench.batch import left_pad
+from rlbench.policy import Policy
+from rlbench.policy.training import OptimSettings
+from rlbench.samplers import HFSampler, SamplingParams
+
+SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", prompts_per_step=4,
+             samples_per_prompt=4, max_new_tokens=8, log_dir=None)
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny):
+    model, tokenizer = tiny
+    rows = [tokenizer.encode(p, add_special_tokens=False) for p in ["12+34=", "7+5=", "99+99=", "3+40="]]
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = sampler.generate(rows, SamplingParams(n=4, max_new_tokens=8, seed=0))
+    ids, mask = left_pad([r for r in rows for _ in range(4)], tokenizer.pad_token_id)
+    advantages = torch.randn(len(out), 1, generator=torch.Generator().manual_seed(0)) * out["response_mask"]
+    return out.with_columns(prompt_ids=ids, prompt_mask=mask, advantages=advantages)
+
+
+def test_update_without_old_logp_equals_update_with_recomputed_old_logp(tiny_dir, rollout):
+    algorithm = rl.algorithms.get("grpo").replace(kl_coef=0.0)
+    counts = dict(num_tokens=int(rollout["response_mask"].sum()), num_seqs=len(rollout), norm_length=8)
+    recorded, fused = (Policy(tiny_dir, OptimSettings(lr=1e-3), micro_batch_tokens=40) for _ in range(2))
+    with_old = recorded.train_mini_batch(rollout.with_columns(old_logp=recorded.log_probs(rollout)), algorithm, **counts)
+    without = fused.train_mini_batch(rollout, algorithm, **counts)
+    for (name, a), b in zip(recorded.state_dict().items(), fused.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)  # bit for bit: the same forward, ratio 1
+    assert without["loss"] == with_old["loss"] and without["approx_kl"] == 0.0
+    # the sampler's log-probs agree with this forward (what batch_metrics reports on the plain path)
+    assert without["sampler_mismatch_max"] < 1e-5 and 0 < without["sampler_mismatch_mean"] < 1e-6
+
+
+def test_session_on_policy_old_logp_trains_like_the_plain_session(tiny_dir):
+    runs = []
+    for fused in (False, True):
+        with rl.Session(**SMALL, seed=3, on_policy_old_logp=fused) as s:
+            metrics = s.run(2, progress=False)
+            runs.append((metrics, s.last_batch, s.workers.hosts[0].objects["policy"].state_dict()))
+    (plain, plain_batch, plain_weights), (fast, fast_batch, fast_weights) = runs
+    assert "old_logp" in plain_batch and "old_logp" not in fast_batch
+    for name, weight in plain_weights.items():
+        torch.testing.assert_close(fast_weights[name], weight, atol=1e-6, rtol=0, msg=name)
+    assert fast["loss"].tolist() == pytest.approx(plain["loss"].tolist(), abs=1e-6)
+    assert fast["sampler_mismatch_max"].max() < 1e-4
+
+
+def test_on_policy_old_logp_is_refused_off_policy():
+    with pytest.raises(ValueError, match="epochs_per_step=1"):
+        rl.config.make_config(on_policy_old_logp=True, epochs_per_step=2)
+    with pytest.raises(ValueError, match="reads old_logp"):
+        rl.Session(**SMALL | dict(algorithm="reinforce_pp"), on_policy_old_logp=True)
