@@ -1,0 +1,327 @@
+"""Recipes: one TOML file per setting (`algorithms/<algorithm>/<setting>.toml`), read into a checked `Recipe`.
+
+A recipe holds the `rl.Session` keyword arguments (the fields of `rl.Config`, nothing else) under
+`[session]`, the number of training steps, the hardware it needs and, where one exists, the result it
+reproduces with its source:
+
+    description = "GRPO teaches tiny-arith two-digit addition"
+    hardware = "CPU, 2 cores, about 2 minutes"
+    steps = 150
+
+    [target]                       # what `rlbench reproduce` checks: pass when metric >= value - tolerance
+    metric = "greedy_accuracy"     # a key of Session.evaluate()
+    value = 0.78
+    tolerance = 0.1
+    source = "rlbench measured: ..."
+
+    [session]
+    model = "tiny-arith"
+    task = "arithmetic"            # or a table: {name = "countdown", count = 4}  (a built-in task's options)
+                                   #          or {train = "data/gsm8k/train.parquet", test = "data/gsm8k/test.parquet"}
+    algorithm = "grpo"             # or a table: {preset = "grpo", kl_coef = 0.0}  (a preset with fields changed)
+    lr = 1e-4
+
+Overrides are `KEY=VALUE` with dotted keys into that structure (`session.lr=3e-4`, `steps=20`,
+`session.algorithm.kl_coef=0`); VALUE is a TOML value, a bare word is a string, `none` is None.
+Every key is checked when the recipe is loaded, without reading data files or model weights: an error
+(`RecipeError`) names the key and the accepted keys, type or values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlbench import algorithms, tasks
+from rlbench.config import Config, make_config
+
+EVAL_METRICS = ("greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward")
+"""What `Session.evaluate()` returns: the metrics a target may name."""
+
+_TOP = {"description": str, "hardware": str, "steps": int, "target": dict, "session": dict}
+_TARGET = {"metric": str, "value": float, "tolerance": float, "source": str}
+_TABLE_HEADS = {"task": "name", "algorithm": "preset"}
+"""A session key that may be a table, and the key its plain-string form becomes in the table."""
+
+
+class RecipeError(ValueError):
+    """A recipe or an override that cannot work; the message starts with the dotted key at fault."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A result to reproduce: `metric` of `Session.evaluate()` after training, `value` within `tolerance`."""
+
+    metric: str
+    value: float
+    tolerance: float
+    source: str
+
+    def passed(self, result: float) -> bool:
+        return result >= self.value - self.tolerance
+
+
+@dataclass(frozen=True)
+class Recipe:
+    path: str
+    steps: int
+    """Training steps of `rlbench run` and `rlbench reproduce`."""
+    session: dict
+    """`rl.Session` keyword arguments as written: `task` and `algorithm` may still be tables."""
+    description: str = ""
+    hardware: str = ""
+    target: Target | None = None
+
+    def config(self) -> Config:
+        """The checked `Config` (task and algorithm as written); reads no data file and no weights."""
+        return make_config(**self.session)
+
+    def session_kwargs(self) -> dict:
+        """`rl.Session(**recipe.session_kwargs())`: the task and algorithm tables built (data files are read)."""
+        return self.session | {"task": build_task(self.session["task"]),
+                               "algorithm": build_algorithm(self.session["algorithm"])}
+
+
+def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recipe:
+    """Read a recipe file, apply `KEY=VALUE` overrides, check every key; a `RecipeError` names the culprit."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise RecipeError(f"{path}: {e}") from None
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return from_dict(raw, path=str(path))
+
+
+def from_dict(raw: dict, *, path: str = "<dict>") -> Recipe:
+    """A checked `Recipe` from the parsed structure of a recipe file."""
+    _check_keys("", raw, _TOP)
+    for key in ("steps", "session"):
+        if key not in raw:
+            raise RecipeError(f"{key}: missing (a recipe needs steps and a [session] table)")
+    if raw["steps"] <= 0:
+        raise RecipeError(f"steps: must be a positive integer, got {raw['steps']!r}")
+    target = None
+    if "target" in raw:
+        _check_keys("target.", raw["target"], _TARGET)
+        missing = sorted(set(_TARGET) - set(raw["target"]) - {"tolerance"})
+        if missing:
+            raise RecipeError(f"target.{missing[0]}: missing; a target needs {', '.join(_TARGET)}")
+        _check_choice("target.metric", raw["target"]["metric"], EVAL_METRICS)
+        target = Target(**{"tolerance": 0.0} | raw["target"])
+    session = check_session(raw["session"], "session.")
+    return Recipe(path=path, steps=raw["steps"], session=session, description=raw.get("description", ""),
+                  hardware=raw.get("hardware", ""), target=target)
+
+
+def check_session(settings: dict, prefix: str) -> dict:
+    """`settings` (Session keyword arguments, task / algorithm possibly tables) checked: returns them with
+    numbers coerced to their field's type; a `RecipeError` names `prefix + key`."""
+    out = dict(settings)
+    _check_keys(prefix, out, typing.get_type_hints(Config))
+    for key, head in _TABLE_HEADS.items():
+        value = out.get(key, getattr(Config, key))
+        if isinstance(value, str):
+            value = {head: value}
+        if not isinstance(value, dict):
+            raise RecipeError(f"{prefix}{key}: expected a name or a table, got {value!r}")
+        if key == "task":
+            _check_task(value, f"{prefix}task.")
+        else:
+            _check_algorithm(value, f"{prefix}algorithm")
+    try:
+        make_config(**out)
+    except (TypeError, ValueError) as e:
+        field = next((name for name in sorted(Config.fields(), key=len, reverse=True) if str(e).startswith(name)), None)
+        raise RecipeError(f"{prefix}{field}: {e}" if field else f"{prefix.rstrip('.')}: {e}") from None
+    return out
+
+
+def build_task(spec: str | dict):
+    """A task from a recipe's `task`: a built-in name, {name = ..., option = ...}, or {train = FILE, ...}."""
+    if isinstance(spec, str):
+        return tasks.get(spec)
+    options = dict(spec)
+    if "train" in options:
+        train = options.pop("train")
+        reader = tasks.from_jsonl if str(train).endswith(".jsonl") else tasks.from_parquet
+        return reader(os.path.expanduser(train), **options)
+    return tasks.get(options.pop("name"), **options)
+
+
+def build_algorithm(spec: str | dict) -> algorithms.Algorithm:
+    """An algorithm from a recipe's `algorithm`: a preset name, or {preset = NAME, field = value, ...}."""
+    if isinstance(spec, str):
+        return algorithms.get(spec)
+    changes = {k: v for k, v in spec.items() if k != "preset"}
+    return algorithms.get(spec.get("preset", "grpo")).replace(**changes)
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Set one dotted `KEY=VALUE` in a parsed recipe (checked later, with the rest, by `from_dict`)."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"override {assignment!r} is not KEY=VALUE (for example session.lr=3e-4)")
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for part in parents:
+        child = node.get(part, {})
+        if isinstance(child, str) and part in _TABLE_HEADS:
+            child = {_TABLE_HEADS[part]: child}
+        if not isinstance(child, dict):
+            raise RecipeError(f"{key}: {part} is {child!r}, not a table")
+        node[part] = child
+        node = child
+    node[leaf] = parse_value(text.strip())
+
+
+def parse_value(text: str):
+    """A TOML value (`3e-4`, `true`, `[0.9, 0.95]`, `"x"`); `none` is None; anything else a bare string."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _check_task(spec: dict, prefix: str) -> None:
+    if "train" in spec:
+        accepted = {"train": str} | {k: v for k, v in typing.get_type_hints(tasks.from_parquet).items()
+                                     if k not in ("path", "reward", "return")}
+        _check_keys(prefix, spec, accepted)
+        return
+    if "name" not in spec:
+        raise RecipeError(f"{prefix}name: missing; a task table has a built-in name or a train file")
+    _check_choice(f"{prefix}name", spec["name"], tasks.names())
+    factory = type(tasks.get(spec["name"]))
+    hints = typing.get_type_hints(factory)
+    options = {p: hints.get(p, Any) for p in inspect.signature(factory).parameters}
+    _check_keys(prefix, spec, {"name": str} | options)
+
+
+def _check_algorithm(spec: dict, key: str) -> None:
+    """Check an algorithm table: its keys and types, then that the preset accepts the changes."""
+    hints = typing.get_type_hints(algorithms.Algorithm)
+    _check_keys(f"{key}.", spec, {"preset": str} | {f.name: hints[f.name] for f in
+                                                     dataclasses.fields(algorithms.Algorithm)})
+    if "preset" in spec:
+        _check_choice(f"{key}.preset", spec["preset"], algorithms.names())
+    try:
+        build_algorithm(spec)
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"{key}: {e}") from None
+
+
+def _check_keys(prefix: str, table: dict, accepted: Mapping[str, Any]) -> None:
+    """Every key of `table` is accepted and its value has the accepted type (ints become floats where a float
+    is expected, lists tuples where a tuple is)."""
+    if not isinstance(table, dict):
+        raise RecipeError(f"{prefix.rstrip('.')}: expected a table, got {table!r}")
+    for key, value in table.items():
+        if key not in accepted:
+            raise RecipeError(f"{prefix}{key}: unknown key; accepted: {', '.join(accepted)}")
+        hint = accepted[key]
+        if not _conforms(value, hint):
+            raise RecipeError(f"{prefix}{key}: expected {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+        if isinstance(value, int) and not isinstance(value, bool) and not _takes_int(hint):
+            table[key] = float(value)
+        elif isinstance(value, list) and typing.get_origin(hint) is tuple:
+            table[key] = tuple(value)
+
+
+def _check_choice(key: str, value, valid) -> None:
+    if value not in valid:
+        raise RecipeError(f"{key}: {value!r} is not one of: {', '.join(map(str, valid))}")
+
+
+def _takes_int(hint) -> bool:
+    return hint is Any or hint is int or int in typing.get_args(hint)
+
+
+def _conforms(value, hint) -> bool:
+    """Whether a TOML value fits a type hint (a callable is given by its registered name)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, h) for h in args)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and len(value) == len(args) and all(map(_conforms, value, args))
+    if hint in (dict, Mapping) or origin in (dict, Mapping):
+        return isinstance(value, dict)
+    if hint is Callable or origin is Callable:
+        return isinstance(value, str)
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "none"
+    if hint is Callable or typing.get_origin(hint) is Callable:
+        return "a registered name (str)"
+    if hint in (dict, Mapping) or typing.get_origin(hint) in (dict, Mapping):
+        return "a table"
+    return getattr(hint, "__name__", str(hint)) if typing.get_origin(hint) is None else str(hint)
+
+
+@dataclass(frozen=True)
+class Leaderboard:
+    """The CPU leaderboard's settings (`algorithms/leaderboard.toml`): every preset on every task, per seed."""
+
+    path: str
+    steps: int
+    """Training steps of every run."""
+    reward_at: int
+    """The step at which the mean training reward (over the 10 steps before it) is also reported."""
+    seeds: tuple[int, ...]
+    workers: int
+    """Runs at once, each in a Ray task with one torch thread (1: in this process)."""
+    presets: tuple[str, ...]
+    """Presets to run (empty: every registered preset, `rl.algorithms.names()`)."""
+    tasks: dict
+    """Label -> Session keyword arguments (no algorithm, no seed: the leaderboard sets them)."""
+
+
+_LEADERBOARD = {"description": str, "steps": int, "reward_at": int, "seeds": list, "workers": int, "presets": list,
+                "tasks": dict}
+
+
+def load_leaderboard(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Leaderboard:
+    """Read and check a leaderboard file with `KEY=VALUE` overrides (as `load` does for a recipe)."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise RecipeError(f"{path}: {e}") from None
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    _check_keys("", raw, _LEADERBOARD)
+    for key in ("steps", "reward_at", "workers"):
+        if raw.get(key, 1) <= 0:
+            raise RecipeError(f"{key}: must be a positive integer, got {raw[key]!r}")
+    for preset in raw.get("presets", []):
+        _check_choice("presets", preset, algorithms.names())
+    for label, settings in raw.get("tasks", {}).items():
+        for key in ("algorithm", "seed"):
+            if key in settings:
+                raise RecipeError(f"tasks.{label}.{key}: set by the leaderboard (presets, seeds), not per task")
+        check_session(settings, f"tasks.{label}.")
+    if not raw.get("tasks") or not raw.get("seeds"):
+        raise RecipeError("tasks / seeds: a leaderboard needs at least one [tasks.LABEL] table and one seed")
+    return Leaderboard(path=str(path), steps=raw["steps"], reward_at=min(raw.get("reward_at", raw["steps"]), raw["steps"]),
+                       seeds=tuple(raw["seeds"]), workers=raw.get("workers", 1),
+                       presets=tuple(raw.get("presets") or algorithms.names()), tasks=raw["tasks"])
