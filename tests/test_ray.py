@@ -125,3 +125,49 @@ def test_join_a_cluster_by_address(tiny_dir):
         os.killpg(head.pid, 15)  # only the processes this test started
         head.wait(timeout=60)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_killed_rank_is_restored_from_the_last_checkpoint_and_the_run_finishes(tiny_dir, tmp_path):
+    import ray
+
+    small = CONFIG | dict(prompts_per_step=4, samples_per_prompt=4)
+    with rl.Session(**small, cluster="ray", world_size=2) as whole:
+        expected = whole.run(4, progress=False)
+        expected_weights = whole.workers.call("policy", "state_dict")[0]
+
+    killed = []
+
+    def kill_rank_1_once(session, row):
+        if row["step"] == 2 and not killed:  # step 3 has finished; the last checkpoint is step 2's
+            killed.append(session.workers.pids()[1])
+            ray.kill(session.workers.hosts[1], no_restart=True)
+
+    s = rl.Session(**small, cluster="ray", world_size=2, save_every=2, save_dir=str(tmp_path))
+    s.callbacks.append(kill_rank_1_once)
+    with pytest.warns(UserWarning, match=r"worker 'policy' rank 1 died during .* \(at step 3, stage .*restored "
+                                         r".*step-000002 and going on \(0 retries left\)"):
+        metrics = s.run(4, progress=False, retries=1)
+    assert killed and killed[0] not in s.workers.pids()  # the workers were started afresh
+    assert metrics["step"].tolist() == [0, 1, 2, 3]
+    for column in ["loss", "reward_mean", "grad_norm", "entropy", "kl_loss"]:  # the restart changed nothing
+        torch.testing.assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
+                                   atol=1e-5, rtol=0, msg=column)
+    weights = s.workers.call("policy", "state_dict")[0]
+    s.close()
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(weights[name], value, atol=1e-5, rtol=0, msg=name)
+
+    # the two-rank checkpoint loads into one inline rank (torch.distributed.checkpoint reshards it)
+    with rl.Session.restore(tmp_path, cluster="inline", world_size=1, threads=1) as inline:
+        assert inline.step_count == 4
+        for name, value in inline.workers.call("policy", "state_dict")[0].items():
+            torch.testing.assert_close(value, weights[name], atol=0, rtol=0, msg=name)
+
+
+def test_a_world_size_the_cluster_cannot_hold_is_named(tiny_dir):
+    import ray
+
+    cpus = ray.cluster_resources()["CPU"]
+    with pytest.raises(ValueError, match=rf"world_size=16 \(placement='colocated': 18 worker processes at "
+                                         rf"cpus_per_worker=1\) needs 18 CPUs but the Ray cluster has {cpus:g}"):
+        rl.Session(**CONFIG, cluster="ray", world_size=16)

@@ -168,3 +168,24 @@ def test_grpo_learns_arithmetic_with_the_vllm_sampler(tiny_dir):
     batch = s.advantage(s.score(s.rollout()))
     mask = batch["response_mask"].bool()
     assert (batch["sampler_logp"] - batch["old_logp"])[mask].abs().max() < LOGP_ATOL
+
+
+def test_an_exported_policy_loads_in_vllm_with_the_same_greedy_completions(tmp_path):
+    """Session.export gives a folder vLLM loads as it is (a new engine: this module's one closes)."""
+    with rl.Session(model="tiny-arith", cluster="inline", sampler="hf", prompts_per_step=4, samples_per_prompt=4,
+                    max_new_tokens=8, threads=1, seed=2) as s:
+        s.run(3, progress=False)
+        folder = s.export(tmp_path / "model")
+        prompts = [e["prompt"] for e in s.task.test[:32]]
+        expected = s.complete(prompts)
+        rows = [s.encode_prompt(p) for p in prompts]
+    exported = VLLMSampler.from_pretrained(folder)
+    try:
+        out = exported.generate(rows, SamplingParams(max_new_tokens=8, temperature=0))
+    finally:
+        exported.close()
+    tokenizer = rl.models.load_tokenizer(folder)
+    completions = tokenizer.batch_decode([ids[:n] for ids, n in zip(out["response_ids"].tolist(),
+                                                                    out["response_mask"].sum(-1).tolist())],
+                                         skip_special_tokens=True)
+    assert completions == expected
