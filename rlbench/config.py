@@ -174,6 +174,10 @@ class Config:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
         _choice("lr_schedule", self.lr_schedule, ["constant", "linear", "cosine"])
         _choice("on_reward_error", self.on_reward_error, ["raise", "zero"])
+        longest = (self.max_prompt_tokens or 1) + self.max_new_tokens
+        if self.micro_batch_tokens < longest:
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one sequence of up to {longest} "
+                             f"tokens (max_prompt_tokens + max_new_tokens): raise it to at least {longest}")
         rows = self.prompts_per_step * self.samples_per_prompt
         if rows // self.mini_batches_per_step < self.world_size:
             raise ValueError(f"a mini-batch of {rows // self.mini_batches_per_step} samples cannot be split across "

@@ -53,6 +53,7 @@ class Session:
         _check_sampler(cfg.sampler, cfg.cluster)
         self.model_dir = str(models.resolve(cfg.model))
         self.tokenizer = models.load_tokenizer(self.model_dir)
+        tasks.check_prompts(self.task)
         self.task = tasks.limit_prompt_tokens(self.task, self.tokenizer, cfg.max_prompt_tokens, on_long=cfg.long_prompts)
         self._start_workers()
         need = self.algorithm

@@ -1,4 +1,6 @@
 import dataclasses
+import json
+import shutil
 
 import pandas as pd
 import pytest
@@ -104,6 +106,9 @@ def test_unknown_names_list_the_valid_ones(field, value, valid):
 @pytest.mark.parametrize("field, value", [
     ("prompts_per_step", 0), ("samples_per_prompt", 0), ("lr", -1e-3), ("max_new_tokens", -1),
     ("micro_batch_tokens", 0), ("top_p", 0.0), ("cluster", "slurm"),
+    ("mini_batches_per_step", 3),  # does not divide 4 x 4 samples
+    ("micro_batch_tokens", 8),  # cannot hold one sequence (1 prompt token + 8 new tokens at least)
+    ("save_every", -1), ("keep_last", -1), ("max_skipped_updates", -1), ("placement", "spread"),
 ])
 def test_nonsense_sizes_raise_before_any_work(monkeypatch, field, value):
     def no_work(*args, **kwargs):
@@ -111,6 +116,41 @@ def test_nonsense_sizes_raise_before_any_work(monkeypatch, field, value):
     monkeypatch.setattr(rl.models, "resolve", no_work)
     with pytest.raises(ValueError, match=field):
         rl.Session(**(SMALL | {field: value}))
+
+
+def test_a_missing_model_directory_is_named(tmp_path):
+    with pytest.raises(ValueError, match=f"{tmp_path / 'missing'} does not exist"):
+        rl.Session(**(SMALL | dict(model=str(tmp_path / "missing"))))
+
+
+@pytest.mark.parametrize("token", ["eos", "pad"])
+def test_a_tokenizer_without_eos_or_pad_is_named(tiny_dir, tmp_path, token):
+    shutil.copytree(tiny_dir, tmp_path / "model")
+    config_file = tmp_path / "model" / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config[f"{token}_token"] = None
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"the tokenizer of {tmp_path / 'model'} has no {token} token"):
+        rl.Session(**(SMALL | dict(model=str(tmp_path / "model"))))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"answer": "3"}, r"train example 1 of task 'rows': no 'prompt' field \(has: \['answer'\]\)"),
+    ({"prompt": "  ", "answer": "3"}, r"train example 1 of task 'rows': an empty prompt"),
+    ({"prompt": [], "answer": "3"}, r"train example 1 of task 'rows': a prompt needs at least one chat message"),
+    ({"prompt": None, "answer": "3"}, r"train example 1 of task 'rows': a prompt is a string or a list"),
+])
+def test_bad_examples_are_named_by_split_and_position(bad, message):
+    good = {"prompt": "1+2=", "answer": "3"}
+    task = rl.tasks.DataTask("rows", train=(good, bad, good), test=(good,), reward=lambda c, e: 0.0)
+    with pytest.raises(ValueError, match=message):
+        rl.Session(**(SMALL | dict(task=task)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_without_a_gpu_is_named():
+    with pytest.raises(ValueError, match="device='cuda' but torch sees no CUDA GPU"):
+        rl.Session(**(SMALL | dict(device="cuda")))
 
 
 def test_unknown_argument_is_named():

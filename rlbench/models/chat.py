@@ -16,7 +16,11 @@ from __future__ import annotations
 def messages_of(prompt) -> list[dict] | None:
     """The prompt's chat messages (validated), or None for a string prompt."""
     if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"an empty prompt ({prompt!r})")
         return None
+    if not isinstance(prompt, (list, tuple)) and type(prompt).__name__ != "ndarray":  # parquet lists: ndarray
+        raise ValueError(f"a prompt is a string or a list of chat messages, got {type(prompt).__name__}")
     messages = list(prompt)
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):

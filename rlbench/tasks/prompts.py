@@ -1,5 +1,6 @@
 """Prompt lengths: what to do with prompts longer than the session allows.
 
+    check_prompts(task)  # every example has a non-empty prompt
     task = limit_prompt_tokens(task, tokenizer, max_tokens=512, on_long="drop")
     task.dropped    # {"train": 3, "test": 0}
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
-from rlbench.models.chat import render_prompt
+from rlbench.models.chat import messages_of, render_prompt
 from rlbench.tasks.base import Task
 from rlbench.tasks.data import DataTask
 
@@ -20,6 +21,23 @@ def prompt_tokens(tokenizer, examples: Sequence[dict]) -> list[int]:
         return []
     texts = [render_prompt(tokenizer, e["prompt"]) for e in examples]
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def check_prompts(task: Task) -> None:
+    """ValueError naming the split and position of the first example without a usable prompt (no 'prompt'
+    field, an empty one, malformed chat messages), or saying that the task has no train examples."""
+    if not len(task.train):
+        raise ValueError(f"task {task.name!r} has no train examples")
+    for split_name in ("train", "test"):
+        for i, example in enumerate(getattr(task, split_name)):
+            try:
+                if not isinstance(example, dict) or "prompt" not in example:
+                    fields = sorted(example) if isinstance(example, dict) else type(example).__name__
+                    raise ValueError(f"no 'prompt' field (has: {fields})")
+                messages_of(example["prompt"])
+            except ValueError as error:
+                origin = _origin(example) if isinstance(example, dict) else ""
+                raise ValueError(f"{split_name} example {i} of task {task.name!r}{origin}: {error}") from None
 
 
 def limit_prompt_tokens(task: Task, tokenizer, max_tokens: int | None, *, on_long: str = "error") -> Task:
