@@ -5,7 +5,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import rlbench as rl
 from rlbench.batch import left_pad
 from rlbench.policy import batch_logp
-from rlbench.samplers import HFSampler, SamplingParams
+from rlbench.samplers import HFSampler, SamplingParams, sample_next
 from rlbench.samplers.decoder import CompactDecoder
 from rlbench.samplers.hf import TransformersDecoder
 
@@ -128,3 +128,17 @@ def test_load_weights_changes_what_is_sampled(tiny_dir, tiny):
     assert not (back["response_ids"] == seven).all()
     with pytest.raises(ValueError, match="unexpected"):
         sampler.load_weights(state | {"not.a.weight": torch.zeros(1)})
+
+
+def test_sampling_draws_from_the_tempered_distribution():
+    # 20000 rows with the same logits: each token's frequency within 4 standard errors of its probability;
+    # top-k never draws outside the k most likely
+    logits_B_V = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
+    generator = torch.Generator().manual_seed(0)
+    token_B, logp_B = sample_next(logits_B_V, SamplingParams(temperature=1.5), generator)
+    p_V = (logits_B_V[0] / 1.5).softmax(-1)
+    freq_V = torch.bincount(token_B, minlength=5) / len(token_B)
+    assert ((freq_V - p_V).abs() <= 4 * (p_V * (1 - p_V) / len(token_B)).sqrt() + 1e-6).all()
+    torch.testing.assert_close(logp_B, p_V.log()[token_B])
+    top2_B, _ = sample_next(logits_B_V, SamplingParams(temperature=1.0, top_k=2), generator)
+    assert set(top2_B.tolist()) == {0, 1}

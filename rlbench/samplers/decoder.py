@@ -60,25 +60,29 @@ class CompactDecoder:
             ))
 
     @torch.no_grad()
-    def start(self, ids_B_P: torch.Tensor, mask_B_P: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Prefill left-padded prompts; returns the logits `[B, V]` of the first new token."""
-        B, P = ids_B_P.shape
+    def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int, n: int = 1) -> torch.Tensor:
+        """Prefill N left-padded prompts once each, then give each prompt `n` rows (prompt-major, B = N·n);
+        returns the logits `[B, V]` of the first new token."""
+        N, P = ids_N_P.shape
         L = P + max_new_tokens
         device, dtype = self.embed.device, self.embed.dtype
-        self.cache_K = torch.zeros(len(self.layers), B, self.kv_heads, L, self.head_dim, device=device, dtype=dtype)
+        self.cache_K = torch.zeros(len(self.layers), N, self.kv_heads, L, self.head_dim, device=device, dtype=dtype)
         self.cache_V = torch.zeros_like(self.cache_K)
-        self.valid_B_L = torch.zeros(B, L, dtype=torch.bool, device=device)
-        self.valid_B_L[:, :P] = mask_B_P.bool()
-        position_B_P = (mask_B_P.cumsum(-1) - 1).clamp(min=0)
+        position_N_P = (mask_N_P.cumsum(-1) - 1).clamp(min=0)
         # rotary tables for every position this call can reach, from the model's own rotary module
-        all_positions_1_L = torch.arange(int(position_B_P.max()) + max_new_tokens + 1, device=device)[None]
+        all_positions_1_L = torch.arange(int(position_N_P.max()) + max_new_tokens + 1, device=device)[None]
         cos, sin = self.model.model.rotary_emb(self.embed[:1], all_positions_1_L)
         self.cos_L_D, self.sin_L_D = cos[0], sin[0]
-        self.length, self.position_B = P, position_B_P[:, -1]
         # a padded query attends to itself so that its (unused) output stays finite
         causal_P_P = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-        allowed_B_1_P_P = (causal_P_P & mask_B_P.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-        return self._forward(ids_B_P, position_B_P, allowed_B_1_P_P[:, None], 0)[:, -1]
+        allowed_N_P_P = (causal_P_P & mask_N_P.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
+        logits_N_V = self._forward(ids_N_P, position_N_P, allowed_N_P_P[:, None], 0, last_only=True)[:, -1]
+        if n > 1:  # [layers, N, ...] -> [layers, N·n, ...]
+            self.cache_K, self.cache_V = self.cache_K.repeat_interleave(n, 1), self.cache_V.repeat_interleave(n, 1)
+        self.valid_B_L = torch.zeros(N * n, L, dtype=torch.bool, device=device)
+        self.valid_B_L[:, :P] = mask_N_P.bool().repeat_interleave(n, 0)
+        self.length, self.position_B = P, position_N_P[:, -1].repeat_interleave(n, 0)
+        return logits_N_V.repeat_interleave(n, 0)
 
     @torch.no_grad()
     def step(self, token_B: torch.Tensor) -> torch.Tensor:
@@ -90,7 +94,8 @@ class CompactDecoder:
         allowed_B_1_1_L = self.valid_B_L[:, None, None, : t + 1]
         return self._forward(token_B[:, None], self.position_B[:, None], allowed_B_1_1_L, t)[:, -1]
 
-    def _forward(self, ids_B_S, position_B_S, allowed, start: int) -> torch.Tensor:
+    def _forward(self, ids_B_S, position_B_S, allowed, start: int, last_only: bool = False) -> torch.Tensor:
+        """Logits `[B, S, V]` (`[B, 1, V]` of the last position when `last_only`), writing K/V at `start`."""
         B, S = ids_B_S.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         cos_B_1_S_D, sin_B_1_S_D = self.cos_L_D[position_B_S][:, None], self.sin_L_D[position_B_S][:, None]
@@ -112,6 +117,8 @@ class CompactDecoder:
             x_B_S_E = x_B_S_E + F.linear(attn_B_H_S_D.transpose(1, 2).reshape(B, S, H * D), w["o"], w["o_bias"])
             gate, up = F.linear(_rms_norm(x_B_S_E, *w["post_norm"]), w["gate_up"]).chunk(2, dim=-1)
             x_B_S_E = x_B_S_E + F.linear(F.silu(gate) * up, w["down"])
+        if last_only:
+            x_B_S_E = x_B_S_E[:, -1:]
         return F.linear(_rms_norm(x_B_S_E, *self.final_norm), self.lm_head)
 
 

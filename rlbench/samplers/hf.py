@@ -42,10 +42,8 @@ class HFSampler:
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
         device = self.model.device
-        ids_B_P, mask_B_P = left_pad(prompt_ids, self.pad_token_id)
-        ids_B_P = ids_B_P.repeat_interleave(params.n, dim=0).to(device)
-        mask_B_P = mask_B_P.repeat_interleave(params.n, dim=0).to(device)
-        B, T = ids_B_P.shape[0], params.max_new_tokens
+        ids_N_P, mask_N_P = left_pad(prompt_ids, self.pad_token_id)
+        B, T = len(prompt_ids) * params.n, params.max_new_tokens
         generator = torch.Generator(device=device).manual_seed(params.seed)
         stop_ids = self.stop_token_ids.to(device)
 
@@ -53,7 +51,7 @@ class HFSampler:
         logp_B_T = torch.zeros((B, T), device=device)
         response_mask_B_T = torch.zeros((B, T), dtype=torch.long, device=device)
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
-        logits_B_V = self.decoder.start(ids_B_P, mask_B_P, T)
+        logits_B_V = self.decoder.start(ids_N_P.to(device), mask_N_P.to(device), T, params.n)
         for t in range(T):
             token_B, token_logp_B = sample_next(logits_B_V.float(), params, generator)
             tokens_B_T[:, t] = token_B.masked_fill(done_B, self.pad_token_id)
@@ -93,13 +91,17 @@ class TransformersDecoder:
     def refresh(self) -> None:
         """Nothing to re-read: the forward uses the model's parameters directly."""
 
-    def start(self, ids_B_P: torch.Tensor, mask_B_P: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int, n: int = 1) -> torch.Tensor:
+        """Prefill each prompt once, then repeat its cache row `n` times (see `CompactDecoder.start`)."""
         self.cache = DynamicCache()
-        self.attention_B_L = mask_B_P
-        position_B_P = (mask_B_P.cumsum(-1) - 1).clamp(min=0)
-        self.position_B = position_B_P[:, -1]
-        return self.model(input_ids=ids_B_P, attention_mask=mask_B_P, position_ids=position_B_P,
-                          past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        position_N_P = (mask_N_P.cumsum(-1) - 1).clamp(min=0)
+        logits_N_V = self.model(input_ids=ids_N_P, attention_mask=mask_N_P, position_ids=position_N_P,
+                                past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        if n > 1:
+            self.cache.batch_repeat_interleave(n)
+        self.attention_B_L = mask_N_P.repeat_interleave(n, 0)
+        self.position_B = position_N_P[:, -1].repeat_interleave(n, 0)
+        return logits_N_V.repeat_interleave(n, 0)
 
     def step(self, token_B: torch.Tensor) -> torch.Tensor:
         self.attention_B_L = torch.cat([self.attention_B_L, self.attention_B_L.new_ones(len(token_B), 1)], dim=1)
@@ -132,7 +134,10 @@ def sample_next(logits_B_V: torch.Tensor, params: SamplingParams,
         drop_sorted_B_V = probs_sorted_B_V.cumsum(-1) - probs_sorted_B_V >= params.top_p
         drop_B_V = torch.zeros_like(drop_sorted_B_V).scatter(-1, order_B_V, drop_sorted_B_V)
         allowed_B_V = allowed_B_V.masked_fill(drop_B_V, float("-inf"))
-    token_B = torch.multinomial(allowed_B_V.softmax(-1), 1, generator=generator).squeeze(-1)
+    # inverse-CDF draw: one uniform per row (torch.multinomial draws one exponential per vocabulary entry)
+    cdf_B_V = allowed_B_V.softmax(-1).cumsum(-1)
+    u_B_1 = torch.rand(len(cdf_B_V), 1, generator=generator, device=cdf_B_V.device) * cdf_B_V[:, -1:]
+    token_B = torch.searchsorted(cdf_B_V, u_B_1, right=True).squeeze(-1).clamp(max=cdf_B_V.shape[-1] - 1)
     return token_B, _token_logp(logits_B_V, token_B)
 
 
