@@ -117,7 +117,7 @@ class Session:
 
         self.workers = group("policy", cfg.world_size)
         self.workers.build("policy", Policy, ranks(self.workers, optim=optim, temperature=cfg.temperature,
-                                                   seed=cfg.seed))
+                                                   seed=cfg.seed, precision=cfg.precision))
         self.reference_workers = self.critic_workers = None
         if need.needs_reference:
             self.reference_workers = group("reference", cfg.world_size) if separate > 1 else self.workers
@@ -631,4 +631,5 @@ def _sampler_factory(cfg: Config, model_dir: str, device: str):
         return VLLMSampler.from_pretrained, dict(model_dir=model_dir, **settings), f"vllm: {why}"
     reason = ("asked for" if cfg.sampler == "hf" else why if not usable
               else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")
-    return HFSampler.from_pretrained, dict(model_dir=model_dir, device=device), f"hf: {reason}"
+    return (HFSampler.from_pretrained, dict(model_dir=model_dir, device=device, precision=cfg.precision),
+            f"hf: {reason}")

@@ -56,3 +56,16 @@ def test_on_policy_old_logp_is_refused_off_policy():
         rl.config.make_config(on_policy_old_logp=True, epochs_per_step=2)
     with pytest.raises(ValueError, match="reads old_logp"):
         rl.Session(**SMALL | dict(algorithm="reinforce_pp"), on_policy_old_logp=True)
+
+
+def test_bf16_precision_stays_close_to_fp32(tiny_dir, rollout):
+    fp32, bf16 = Policy(tiny_dir, OptimSettings(lr=1e-3)), Policy(tiny_dir, OptimSettings(lr=1e-3), precision="bf16")
+    mask = rollout["response_mask"].bool()
+    assert fp32.log_probs(rollout).dtype == bf16.log_probs(rollout).dtype == torch.float32
+    assert 0 < (fp32.log_probs(rollout) - bf16.log_probs(rollout))[mask].abs().max() < 0.1
+    sampler = HFSampler.from_pretrained(tiny_dir, precision="bf16")
+    assert sampler.model.dtype == torch.bfloat16
+    sampler.load_weights(fp32.state_dict())  # fp32 weights are cast on load
+    prompt = rollout["prompt_ids"][0][rollout["prompt_mask"][0].bool()].tolist()
+    out = sampler.generate([prompt], SamplingParams(n=4, seed=0))
+    assert out["sampler_logp"].dtype == torch.float32 and out["response_mask"].sum() > 0

@@ -19,7 +19,8 @@ from rlbench import models
 from rlbench.batch import Batch
 from rlbench.policy import checkpoint
 from rlbench.policy.forward import batch_logp, rank_micro_batches, response_logits, token_logp
-from rlbench.policy.training import OptimSettings, Optimizer, backward, full_state_dict, init_process_group, shard
+from rlbench.policy.training import (OptimSettings, Optimizer, autocast, backward, full_state_dict, init_process_group,
+                                     shard, use_precision)
 
 SUMMED_TERMS = frozenset({"loss", "pg_loss", "kl_loss", "entropy"})
 """Terms `Algorithm.actor_loss` reduces with the mini-batch's counts: they add up over micro-batches.
@@ -31,19 +32,22 @@ MAX_TERMS = frozenset({"sampler_mismatch_max"})
 class Policy:
     def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, temperature: float = 1.0, micro_batch_tokens: int = 4096,
-                 seed: int = 0, device: str = "cpu"):
+                 seed: int = 0, device: str = "cpu", precision: str = "fp32"):
         init_process_group(rank, world_size, init_method, device)
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.temperature, self.micro_batch_tokens, self.device = temperature, micro_batch_tokens, device
+        self.precision = precision
         model = models.from_pretrained(AutoModelForCausalLM, model_dir)
+        use_precision(model, precision, device)
         self.model = shard(model, world_size, device).train()
         self.optimizer = Optimizer(self.model, optim)
 
     def log_probs(self, batch: Batch) -> torch.Tensor:
         """Log-probs `[B, T]` of the batch's responses under the current weights (no gradient)."""
-        return batch_logp(self.model, batch, temperature=self.temperature,
-                          micro_batch_tokens=self.micro_batch_tokens, device=self.device)
+        with autocast(self.precision, self.device):
+            return batch_logp(self.model, batch, temperature=self.temperature,
+                              micro_batch_tokens=self.micro_batch_tokens, device=self.device)
 
     def train_mini_batch(self, mini: Batch, algorithm: alg.Algorithm, *, num_tokens: int, num_seqs: int,
                          norm_length: int) -> dict[str, float]:
@@ -84,7 +88,8 @@ class Policy:
         return self.optimizer.step(finite_loss=bool(finite.item()))
 
     def _micro_loss(self, micro: Batch, algorithm: alg.Algorithm, **counts) -> dict[str, torch.Tensor]:
-        logits_B_T_V = response_logits(self.model, micro, self.temperature)
+        with autocast(self.precision, self.device):
+            logits_B_T_V = response_logits(self.model, micro, self.temperature)
         entropy_B_T = alg.entropy_from_logits(logits_B_T_V)
         logp_B_T = token_logp(logits_B_T_V, micro["response_ids"])
         if "old_logp" in micro:

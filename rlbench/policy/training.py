@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -65,6 +66,19 @@ def lr_lambda(schedule: str, warmup_steps: int, decay_steps: int):
             return 0.5 * (1.0 + math.cos(math.pi * progress))
         return 1.0
     return factor
+
+
+def use_precision(model: torch.nn.Module, precision: str, device: str) -> None:
+    """Prepare a model for `autocast(precision)` ("fp32" or "bf16"): under bf16 on a CPU, eager attention
+    (PyTorch's CPU flash-attention backward is ~20x slower in bfloat16 than in fp32; the eager one is fast)."""
+    if precision == "bf16" and device == "cpu":
+        model.set_attn_implementation("eager")
+
+
+def autocast(precision: str, device: str):
+    """The context a forward (and so its backward) runs in: bfloat16 autocast for "bf16" (weights, gradients
+    and optimizer state stay fp32), nothing for "fp32"."""
+    return torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
 
 def shard(model: torch.nn.Module, world_size: int, device: str = "cpu") -> torch.nn.Module:

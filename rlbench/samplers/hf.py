@@ -34,9 +34,10 @@ class HFSampler:
         self.decoder = CompactDecoder(model) if decoder.supports(model) else TransformersDecoder(model)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, device: str = "cpu") -> HFSampler:
-        """A sampler over its own copy of a local model directory's weights, on `device`."""
-        model, tokenizer = models.load(model_dir)
+    def from_pretrained(cls, model_dir: str, device: str = "cpu", precision: str = "fp32") -> HFSampler:
+        """A sampler over its own copy of a local model directory's weights, on `device`, in fp32 or (for
+        precision "bf16") bfloat16; `load_weights` casts what it loads to that type."""
+        model, tokenizer = models.load(model_dir, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
         return cls(model.to(device), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
     @torch.no_grad()
