@@ -8,19 +8,44 @@ import torch.distributed as dist
 from rlbench.batch import Batch
 
 
+PACK_WIDTH = 32
+"""Packed rows hold at least this many tokens (more when one sequence is longer)."""
+
+
 def response_outputs(model, batch: Batch) -> torch.Tensor:
     """The model's outputs at the positions that predict each response token, `[B, T, F]` in fp32.
 
-    The sequence is prompt (left-padded) + response (right-padded); position ids count real tokens, so
-    every row sees the positions it had in the sampler. For a causal LM F is the vocabulary (logits);
-    for a critic's value head F is 1 (the value of the state before each token).
+    Each row's real tokens (the prompt without its left padding, then the response without its right
+    padding) are packed back to back into rows of `max(PACK_WIDTH, longest sequence)` tokens, with
+    position ids counting from 0 in every sequence, so every row sees the positions it had in the sampler
+    and no compute goes to padding. Without an attention mask, transformers reads sequence boundaries
+    from the position ids and attends only within a sequence (its packed-sequence mask). For a causal LM
+    F is the vocabulary (logits); for a critic's value head F is 1 (the value of the state before each
+    token). Outputs past a row's last response token are those of other positions: mask them.
     """
     ids_B_L = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
-    mask_B_L = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
-    position_B_L = (mask_B_L.cumsum(-1) - 1).clamp(min=0)
-    P, T = batch["prompt_ids"].shape[1], batch["response_ids"].shape[1]
-    out_B_L_F = model(input_ids=ids_B_L, attention_mask=mask_B_L, position_ids=position_B_L, use_cache=False).logits
-    return out_B_L_F[:, P - 1 : P + T - 1].float()  # position P-1 predicts response token 0
+    mask_B_L = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).bool()
+    position_B_L = mask_B_L.cumsum(-1) - 1
+    length_B = mask_B_L.sum(-1)
+    width = max(PACK_WIDTH, int(length_B.max()))
+    offsets, packed_row, used = [], 0, 0  # where each sequence starts in the flattened packed rows
+    for n in length_B.tolist():
+        if used + n > width:
+            packed_row, used = packed_row + 1, 0
+        offsets.append(packed_row * width + used)
+        used += n
+    offset_B = torch.tensor(offsets, device=ids_B_L.device)
+    slot_B_L = offset_B[:, None] + position_B_L
+    ids_N = ids_B_L.new_zeros((packed_row + 1) * width)  # padding slots: token 0 at position 0, alone
+    position_N = torch.zeros_like(ids_N)
+    ids_N[slot_B_L[mask_B_L]] = ids_B_L[mask_B_L]
+    position_N[slot_B_L[mask_B_L]] = position_B_L[mask_B_L]
+    out_R_W_F = model(input_ids=ids_N.view(-1, width), position_ids=position_N.view(-1, width), use_cache=False).logits
+    # the last prompt token predicts response token 0
+    T = batch["response_ids"].shape[1]
+    first_B = offset_B + batch["prompt_mask"].sum(-1) - 1
+    slot_B_T = (first_B[:, None] + torch.arange(T, device=first_B.device)).clamp(max=len(ids_N) - 1)
+    return out_R_W_F.flatten(0, 1)[slot_B_T].float()
 
 
 def response_logits(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
