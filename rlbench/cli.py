@@ -28,7 +28,11 @@ LEADERBOARD_SPEC = "algorithms/leaderboard.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)  # overrides may also follow an option: run R --dry-run k=v
+    if extra and (not hasattr(args, "overrides") or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = getattr(args, "overrides", []) + extra
     try:
         return args.command(args) or 0
     except recipes.RecipeError as e:
@@ -122,9 +126,9 @@ def evaluate(args) -> int:
 
     task = recipes.build_task(_eval_task(args.task))
     session = rl.Session(model=args.model, task=task, cluster="inline", log_dir=None, seed=args.seed,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, eval_samples=args.samples)
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     result = {"model": args.model, "task": args.task, "k": args.samples,
-              **pass_and_majority(session, args.max_prompts, args.samples)}
+              **evaluate_at_k(session, args.max_prompts, args.samples)}
     print(json.dumps(result))
     return 0
 
@@ -134,12 +138,8 @@ def _eval_task(task: str):
     return {"train": task, "test": task} if Path(task).suffix in (".parquet", ".jsonl") else task
 
 
-def pass_and_majority(session, max_prompts: int | None, k: int) -> dict:
-    """Greedy accuracy, mean sampled accuracy, pass@k and maj@k over the session task's held-out prompts.
-
-    maj@k votes on each completion's final answer (its last number, else its stripped text) and scores the
-    winning answer; pass@k counts a prompt solved when any of its k completions is correct.
-    """
+def evaluate_at_k(session, max_prompts: int | None, k: int) -> dict:
+    """Greedy accuracy, mean sampled accuracy, pass@k and maj@k over the session task's held-out prompts."""
     from rlbench.rewards.answers import extract_gsm8k
     from rlbench.samplers import SamplingParams
 
@@ -149,19 +149,33 @@ def pass_and_majority(session, max_prompts: int | None, k: int) -> dict:
                                                                      temperature=0.0)))
     sampled = session.score(session.generate(examples, SamplingParams(
         n=k, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)))
-    correct = [float(c) for c in (sampled["acc"] if "acc" in sampled else sampled["score"])]
-    solved, majority = 0, 0
-    for i in range(len(examples)):
-        rows = [r for r, g in enumerate(sampled["group_ids"].tolist()) if g == i]
-        solved += any(correct[r] > 0 for r in rows)
-        answers = {r: extract_gsm8k(sampled["completion"][r], "flexible") or sampled["completion"][r].strip()
-                   for r in rows}
-        winner = Counter(answers.values()).most_common(1)[0][0]
-        majority += next(correct[r] > 0 for r in rows if answers[r] == winner)
-    greedy_correct = greedy["acc"] if "acc" in greedy else greedy["score"]
-    return {"prompts": len(examples), "greedy_accuracy": float(greedy_correct.float().mean()),
-            "sampled_accuracy": sum(correct) / len(correct), f"pass@{k}": solved / len(examples),
-            f"maj@{k}": majority / len(examples)}
+    correct_B = _correct(sampled)
+    groups = sampled["group_ids"].tolist()
+    correct = [[bool(c) for c, g in zip(correct_B, groups) if g == i] for i in range(len(examples))]
+    answers = [[extract_gsm8k(text, "flexible") or text.strip() for text, g in zip(sampled["completion"], groups)
+                if g == i] for i in range(len(examples))]
+    pass_k, maj_k = pass_and_majority(correct, answers)
+    return {"prompts": len(examples), "greedy_accuracy": float(_correct(greedy).float().mean()),
+            "sampled_accuracy": float(correct_B.float().mean()), f"pass@{k}": pass_k, f"maj@{k}": maj_k}
+
+
+def pass_and_majority(correct: list[list[bool]], answers: list[list[str]]) -> tuple[float, float]:
+    """(pass@k, maj@k) from each prompt's k samples: whether each is correct, and its final answer.
+
+    pass@k: a prompt counts when any sample is correct. maj@k: the most frequent answer (the first of those
+    tied) is scored; it is correct when the samples giving it are.
+    """
+    passed = sum(any(c) for c in correct)
+    majority = 0
+    for c, a in zip(correct, answers):
+        winner = Counter(a).most_common(1)[0][0]
+        majority += c[a.index(winner)]
+    return passed / len(correct), majority / len(correct)
+
+
+def _correct(batch):
+    """Per-sample correctness: the reward's "acc" component when it has one, else score > 0."""
+    return (batch["acc"] if "acc" in batch else batch["score"]).float() > 0
 
 
 # ------------------------------------------------------------------------------------------- leaderboard
@@ -170,7 +184,8 @@ def leaderboard(args) -> int:
     start = time.perf_counter()
     rows = run_leaderboard(spec)
     minutes = (time.perf_counter() - start) / 60
-    command = " ".join(["rlbench leaderboard", *args.overrides, *(["--spec", args.spec] if args.spec != LEADERBOARD_SPEC else [])])
+    spec_option = ["--spec", args.spec] if args.spec != LEADERBOARD_SPEC else []
+    command = " ".join(["rlbench leaderboard", *args.overrides, *spec_option])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -251,9 +266,10 @@ def leaderboard_markdown(rows: list[dict], spec: recipes.Leaderboard, *, command
     lines = [
         "# CPU leaderboard of the algorithm zoo", "",
         f"Generated by `{command}` from `{spec.path}` on {time.strftime('%Y-%m-%d')}: {len(spec.presets)} presets "
-        f"(every one of `rl.algorithms.names()` unless `presets` is set), {spec.steps} training steps, seeds {list(spec.seeds)}, on "
-        f"{os.cpu_count()} CPU cores ({platform.machine()}), {spec.workers} runs at once (Ray tasks, "
-        f"1 torch thread each). **Total wall time: {minutes:.1f} min** for {len(rows)} runs.", "",
+        f"(every one of `rl.algorithms.names()` unless `presets` is set), {spec.steps} training steps, seeds "
+        f"{list(spec.seeds)}, on {os.cpu_count()} CPU cores ({platform.machine()}), {spec.workers} runs at once "
+        f"({'Ray tasks, ' if spec.workers > 1 else ''}1 torch thread each). **Total wall time: {minutes:.1f} min** "
+        f"for {len(rows)} runs.", "",
         "Columns: held-out greedy accuracy after training (mean ± std over seeds; `before` is the model "
         "before training), sampled accuracy (temperature 1), mean training reward over the 10 steps before "
         "the given step, wall time per run (build, evaluate, train, evaluate) and response tokens generated "
@@ -263,7 +279,8 @@ def leaderboard_markdown(rows: list[dict], spec: recipes.Leaderboard, *, command
         table = frame[frame["task"] == label]
         lines += [f"## {label}", "", "Settings: " + ", ".join(f"`{k}={v!r}`" for k, v in settings.items())
                   + f"; before training: greedy accuracy {table['before'].mean():.3f}.", "",
-                  f"| preset | greedy accuracy | sampled accuracy | {' | '.join(rewards)} | wall s / run | tokens / run |",
+                  f"| preset | greedy accuracy | sampled accuracy | {' | '.join(rewards)} | wall s / run "
+                  "| tokens / run |",
                   "|---|---|---|" + "---|" * len(rewards) + "---|---|"]
         stats = table.drop(columns="task").groupby("preset").agg(["mean", "std"])
         for preset in stats.sort_values(("greedy_accuracy", "mean"), ascending=False).index:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import tomllib
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -42,6 +41,11 @@ from typing import Any
 
 from rlbench import algorithms, tasks
 from rlbench.config import Config, make_config
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as the tomli package
+    import tomli as tomllib
 
 EVAL_METRICS = ("greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward")
 """What `Session.evaluate()` returns: the metrics a target may name."""
@@ -92,13 +96,18 @@ class Recipe:
 
 def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recipe:
     """Read a recipe file, apply `KEY=VALUE` overrides, check every key; a `RecipeError` names the culprit."""
+    return from_dict(_read(path, overrides), path=str(path))
+
+
+def _read(path: str | os.PathLike, overrides: typing.Sequence[str]) -> dict:
+    """A TOML file's structure with the overrides applied (unchecked)."""
     try:
         raw = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise RecipeError(f"{path}: {e}") from None
     for assignment in overrides:
         apply_override(raw, assignment)
-    return from_dict(raw, path=str(path))
+    return raw
 
 
 def from_dict(raw: dict, *, path: str = "<dict>") -> Recipe:
@@ -140,7 +149,8 @@ def check_session(settings: dict, prefix: str) -> dict:
     try:
         make_config(**out)
     except (TypeError, ValueError) as e:
-        field = next((name for name in sorted(Config.fields(), key=len, reverse=True) if str(e).startswith(name)), None)
+        longest_first = sorted(Config.fields(), key=len, reverse=True)  # "lr_schedule=..." is not about lr
+        field = next((name for name in longest_first if str(e).startswith(name)), None)
         raise RecipeError(f"{prefix}{field}: {e}" if field else f"{prefix.rstrip('.')}: {e}") from None
     return out
 
@@ -303,12 +313,7 @@ _LEADERBOARD = {"description": str, "steps": int, "reward_at": int, "seeds": lis
 
 def load_leaderboard(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Leaderboard:
     """Read and check a leaderboard file with `KEY=VALUE` overrides (as `load` does for a recipe)."""
-    try:
-        raw = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise RecipeError(f"{path}: {e}") from None
-    for assignment in overrides:
-        apply_override(raw, assignment)
+    raw = _read(path, overrides)
     _check_keys("", raw, _LEADERBOARD)
     for key in ("steps", "reward_at", "workers"):
         if raw.get(key, 1) <= 0:
@@ -322,6 +327,7 @@ def load_leaderboard(path: str | os.PathLike, overrides: typing.Sequence[str] = 
         check_session(settings, f"tasks.{label}.")
     if not raw.get("tasks") or not raw.get("seeds"):
         raise RecipeError("tasks / seeds: a leaderboard needs at least one [tasks.LABEL] table and one seed")
-    return Leaderboard(path=str(path), steps=raw["steps"], reward_at=min(raw.get("reward_at", raw["steps"]), raw["steps"]),
-                       seeds=tuple(raw["seeds"]), workers=raw.get("workers", 1),
+    reward_at = min(raw.get("reward_at", raw["steps"]), raw["steps"])
+    return Leaderboard(path=str(path), steps=raw["steps"], reward_at=reward_at, seeds=tuple(raw["seeds"]),
+                       workers=raw.get("workers", 1),
                        presets=tuple(raw.get("presets") or algorithms.names()), tasks=raw["tasks"])

@@ -1,0 +1,120 @@
+"""The `rlbench` command, run as a real subprocess: errors, dry runs, a short run, reproduce, eval, leaderboard, bench."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rlbench as rl
+from rlbench import cli
+
+REPO = Path(__file__).resolve().parents[1]
+ARITHMETIC = str(REPO / "algorithms" / "grpo" / "arithmetic-tiny.toml")
+GSM8K_PPO = str(REPO / "algorithms" / "ppo" / "gsm8k-qwen2.5-0.5b.toml")
+
+
+def rlbench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "rlbench.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def test_console_script_is_installed():
+    assert (Path(sys.executable).parent / "rlbench").is_file()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("session.lrr=3e-4", "session.lrr: unknown key; accepted: model, task, algorithm, sampler"),
+    ("session.lr=fast", "session.lr: expected float, got 'fast' (str)"),
+    ("session.samples_per_prompt=0", "session.samples_per_prompt: samples_per_prompt must be a positive integer, got 0"),
+])
+def test_bad_override_exits_2_naming_the_key(override, message):
+    result = rlbench("run", ARITHMETIC, override)
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"rlbench run: {message}" in result.stderr
+
+
+def test_dry_run_of_a_gpu_recipe_checks_without_weights_or_data():
+    result = rlbench("run", GSM8K_PPO, "--dry-run", "session.model=/nowhere/Qwen2.5-0.5B-Instruct")
+    assert result.returncode == 0, result.stderr
+    settings = last_json(result.stdout)
+    assert settings["steps"] == 435 and settings["session"]["model"] == "/nowhere/Qwen2.5-0.5B-Instruct"
+    assert settings["session"]["algorithm"] == "ppo" and settings["session"]["critic_lr"] == 1e-5
+
+
+def test_short_run_trains_and_evaluates():
+    result = rlbench("run", ARITHMETIC, "steps=3", "session.log_dir=none")
+    assert result.returncode == 0, result.stderr
+    out = last_json(result.stdout)
+    assert out["steps"] == 3 and out["before"]["greedy_accuracy"] == pytest.approx(0.315)  # tiny-arith's start
+    assert 0 <= out["after"]["greedy_accuracy"] <= 1 and out["train_seconds"] > 0
+
+
+def test_reproduce_fails_with_the_numbers_when_the_target_is_missed():
+    result = rlbench("reproduce", ARITHMETIC, "steps=2", "session.log_dir=none", "target.value=0.99",
+                     "target.tolerance=0.01")
+    assert result.returncode == 1, result.stderr
+    verdict = result.stdout.splitlines()[-1]
+    assert verdict.startswith("FAIL: greedy_accuracy ") and "after 2 steps (before: 0.315)" in verdict
+    assert "target 0.990 - tolerance 0.010 = 0.980 (rlbench measured" in verdict
+
+
+def test_reproduce_needs_a_target(tmp_path):
+    recipe = tmp_path / "no-target.toml"
+    recipe.write_text('steps = 1\n[session]\nmodel = "tiny-arith"\n')
+    result = rlbench("reproduce", str(recipe))
+    assert result.returncode == 2 and "target: " in result.stderr and "has no [target]" in result.stderr
+
+
+@pytest.mark.slow
+def test_reproduce_the_arithmetic_recipe_passes():
+    """Acceptance 1: the full recipe (150 steps, about 1.5 min on 2 cores) passes its measured target."""
+    result = rlbench("reproduce", ARITHMETIC, "session.log_dir=none", timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1].startswith("PASS: greedy_accuracy ")
+    assert last_json(result.stdout)["after"]["greedy_accuracy"] >= 0.455
+
+
+def test_eval_reports_greedy_pass_and_majority_at_k():
+    result = rlbench("eval", "tiny-arith", "--task", "arithmetic", "--samples", "4", "--max-prompts", "20",
+                     "--max-new-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    out = last_json(result.stdout)
+    session = rl.Session(model="tiny-arith", task="arithmetic", cluster="inline", log_dir=None, max_new_tokens=8)
+    assert out["prompts"] == 20 and out["greedy_accuracy"] == session.evaluate(max_prompts=20)["greedy_accuracy"]
+    assert out["pass@4"] >= out["maj@4"] and out["pass@4"] >= out["sampled_accuracy"] > 0
+
+
+def test_pass_and_majority_on_hand_worked_samples():
+    correct = [[True, False, False],   # one right out of three: passes; the majority answer "7" is wrong
+               [True, True, False],    # two equal right answers: passes, majority right
+               [False, False, False]]  # none right
+    answers = [["5", "7", "7"], ["9", "9", "8"], ["1", "2", "3"]]
+    assert cli.pass_and_majority(correct, answers) == (2 / 3, 1 / 3)
+
+
+def test_leaderboard_writes_markdown_and_plot(tmp_path):
+    out = tmp_path / "board" / "LEADERBOARD.md"
+    result = rlbench("leaderboard", "steps=2", "reward_at=1", "seeds=[0]", 'presets=["grpo", "rloo"]', "workers=1",
+                     "--spec", str(REPO / "algorithms" / "leaderboard.toml"), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    assert text.startswith("# CPU leaderboard") and "Generated by `rlbench leaderboard steps=2" in text
+    assert "Total wall time:" in text and "## arithmetic" in text and "## countdown" in text
+    assert text.count("| grpo | ") == 2 and text.count("| rloo | ") == 2 and "reward@1 | reward@2" in text
+    assert out.with_suffix(".png").stat().st_size > 1000 and len(out.with_suffix(".jsonl").read_text().splitlines()) == 4
+
+
+def test_bench_runs_scripts_and_names_a_missing_one(tmp_path):
+    (tmp_path / "hello.py").write_text('import json\nif __name__ == "__main__":\n    print(json.dumps({"bench": "hello"}))\n')
+    result = rlbench("bench", "--dir", str(tmp_path))
+    assert result.returncode == 0 and '{"bench": "hello"}' in result.stdout
+    result = rlbench("bench", "nope", "--dir", str(tmp_path))
+    assert result.returncode == 2 and "names: no benchmark" in result.stderr and "accepted: hello" in result.stderr

@@ -1,0 +1,106 @@
+"""Recipes (algorithms/**/*.toml): every one loads and validates on CPU without weights or data; overrides are
+checked and a bad one names its key and what the key accepts."""
+
+from pathlib import Path
+
+import pytest
+
+import rlbench as rl
+from rlbench import recipes
+
+ALGORITHMS = Path(__file__).resolve().parents[1] / "algorithms"
+RECIPES = sorted(p for p in ALGORITHMS.glob("*/*.toml"))
+ARITHMETIC = ALGORITHMS / "grpo" / "arithmetic-tiny.toml"
+GPU_RECIPES = [ALGORITHMS / "grpo" / "gsm8k-qwen2.5-0.5b.toml", ALGORITHMS / "ppo" / "gsm8k-qwen2.5-0.5b.toml",
+               ALGORITHMS / "dapo" / "math-qwen2.5-0.5b.toml"]
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_recipe_loads_and_validates(path):
+    recipe = recipes.load(path)
+    config = recipe.config()  # a checked rl.Config: the same keys as rl.Session(...)
+    assert recipe.steps > 0 and recipe.description and recipe.hardware
+    assert rl.algorithms.get(config.algorithm if isinstance(config.algorithm, str) else config.algorithm["preset"])
+    if recipe.target is not None:
+        assert recipe.target.metric in recipes.EVAL_METRICS and recipe.target.source
+        assert 0 < recipe.target.value <= 1 and recipe.target.tolerance >= 0
+
+
+def test_gpu_recipes_follow_the_published_settings():
+    grpo, ppo, dapo = (recipes.load(p) for p in GPU_RECIPES)
+    for recipe in (grpo, ppo, dapo):
+        cfg = recipe.config()
+        assert cfg.device == "cuda" and cfg.model.endswith("Qwen2.5-0.5B-Instruct") and cfg.lr == 1e-6
+        assert set(cfg.task) == {"train", "test"}  # data files, read only when the session starts
+    assert ppo.target.value == 0.567 and "PPO 56.7" in ppo.target.source and "49.6" in ppo.target.source
+    assert ppo.config().algorithm == "ppo" and ppo.config().critic_lr == 1e-5 and ppo.config().samples_per_prompt == 1
+    assert grpo.config().samples_per_prompt == 5 and grpo.config().prompts_per_step == 1024 and "verl" in grpo.target.source
+    assert dapo.target is None and dapo.config().algorithm == "dapo" and dapo.config().samples_per_prompt == 16
+
+
+def test_arithmetic_recipe_target_is_measured_and_honest():
+    recipe = recipes.load(ARITHMETIC)
+    assert recipe.target.source.startswith("rlbench measured")
+    assert recipe.target.passed(0.46) and not recipe.target.passed(0.45)  # 0.605 - 0.15; the model starts at 0.315
+    assert recipe.session_kwargs()["task"].name == "arithmetic"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("session.lrr=1", "session.lrr: unknown key; accepted: model, task, algorithm"),
+    ("session.lr=fast", "session.lr: expected float, got 'fast' (str)"),
+    ("session.lr=-1", "session.lr: lr must be > 0, got -1.0"),
+    ("session.lr_schedule=cos", "session.lr_schedule: lr_schedule='cos' is not one of: 'constant', 'linear', 'cosine'"),
+    ("session.prompts_per_step=2.5", "session.prompts_per_step: expected int, got 2.5 (float)"),
+    ("session.betas=[0.9]", "session.betas: expected tuple[float, float], got [0.9] (list)"),
+    ("session.world_size=2", "session.world_size: world_size=2 needs cluster='ray'"),
+    ("session.algorithm=grpox", "session.algorithm.preset: 'grpox' is not one of: cispo, clip_cov, dapo"),
+    ("session.algorithm.klcoef=0", "session.algorithm.klcoef: unknown key; accepted: preset, name, advantage"),
+    ("session.algorithm.loss=nope", "session.algorithm: unknown loss 'nope'; valid:"),
+    ("session.task=addition", "session.task.name: 'addition' is not one of: arithmetic, multiplication"),
+    ("session.task.count=4", "session.task.count: unknown key; accepted: name, truncated_reward"),
+    ("target.metric=accuracy", "target.metric: 'accuracy' is not one of: greedy_accuracy, sampled_accuracy"),
+    ("steps=0", "steps: must be a positive integer, got 0"),
+    ("stepz=3", "stepz: unknown key; accepted: description, hardware, steps, target, session"),
+    ("session.lr", "override 'session.lr' is not KEY=VALUE"),
+])
+def test_bad_override_names_the_key_and_what_it_accepts(override, message):
+    with pytest.raises(recipes.RecipeError) as error:
+        recipes.load(ARITHMETIC, [override])
+    assert str(error.value).startswith(message)
+
+
+def test_overrides_set_values_of_the_right_type():
+    recipe = recipes.load(ARITHMETIC, ["session.lr=3e-4", "session.temperature=1", "steps=5", "session.run_name=x",
+                                       "session.max_prompt_tokens=none", "session.algorithm.kl_coef=0",
+                                       "session.task=countdown", "session.task.count=2", "session.betas=[0.9, 0.95]"])
+    assert recipe.steps == 5 and recipe.session["lr"] == 3e-4 and recipe.session["run_name"] == "x"
+    assert recipe.session["temperature"] == 1.0 and isinstance(recipe.session["temperature"], float)
+    assert recipe.session["max_prompt_tokens"] is None and recipe.session["betas"] == (0.9, 0.95)
+    built = recipe.session_kwargs()
+    assert built["algorithm"].kl_coef == 0 and built["algorithm"].loss is rl.algorithms.get("grpo").loss
+    assert built["task"].count == 2 and len(built["task"].test[0]["numbers"]) == 2
+
+
+def test_parse_value():
+    assert [recipes.parse_value(t) for t in ["3e-4", "7", "true", "[1, 2]", '"a b"', "tiny-mix", "None"]] == [
+        3e-4, 7, True, [1, 2], "a b", "tiny-mix", None]
+
+
+def test_file_task_table_builds_a_data_task(tmp_path):
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{i}+1?"}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}} for i in range(6)]
+    rl.tasks.write_rows(rows, tmp_path / "train.parquet")
+    task = recipes.build_task({"train": str(tmp_path / "train.parquet"), "test": 2})
+    assert len(task.train) == 4 and len(task.test) == 2
+    with pytest.raises(recipes.RecipeError, match="session.task.tset: unknown key; accepted: train, test"):
+        recipes.load(ARITHMETIC, [f"session.task={{train = '{tmp_path}/train.parquet', tset = 2}}"])
+
+
+def test_leaderboard_spec_covers_every_preset_on_two_tasks():
+    spec = recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml")
+    assert spec.presets == tuple(rl.algorithms.names()) and len(spec.seeds) == 3 and len(spec.tasks) == 2
+    assert {s["task"] for s in spec.tasks.values()} == {"arithmetic", "countdown"}
+    with pytest.raises(recipes.RecipeError, match="tasks.arithmetic.seed: set by the leaderboard"):
+        recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["tasks.arithmetic.seed=3"])
+    with pytest.raises(recipes.RecipeError, match="presets: 'grpox' is not one of"):
+        recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ['presets=["grpox"]'])
