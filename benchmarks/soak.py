@@ -1,6 +1,7 @@
 """Soak: a long inline GRPO run on the tiny task with periodic checkpoints; memory over time and failures.
 
-Prints one JSON line: resident memory every `--every` steps (MiB), its growth after warm-up, peak memory,
+Prints one JSON line: resident memory every `--every` steps (MiB), its growth after warm-up and its slope
+over the second half of the run, the size of the metrics history (as JSON), peak memory,
 checkpoint save time, and the failures seen (skipped optimizer steps, reward errors; an exception ends it).
 A leak shows as growth that keeps going after warm-up; the metrics history (one row per step) is the
 only thing meant to grow, by a few KiB per step.
@@ -13,6 +14,8 @@ import json
 import resource
 import tempfile
 import time
+
+import numpy as np
 
 import rlbench as rl
 
@@ -56,10 +59,14 @@ def main():
         s.close()
 
     after = [v for k, v in samples.items() if k >= args.warmup]
+    late = [(k, v) for k, v in samples.items() if k >= args.steps // 2]
+    slope = float(np.polyfit(*zip(*late), 1)[0]) * 1000 if len(late) > 1 else None
     print(json.dumps({
         "bench": "soak", "steps": args.steps, "save_every": args.save_every, "threads": args.threads,
         "wall_s": round(wall, 1), "s_per_step": round(wall / args.steps, 4), "save_s": round(save_s, 3),
         "rss_mib_by_step": samples, "rss_growth_after_warmup_mib": round(after[-1] - after[0], 1) if after else None,
+        "rss_slope_second_half_mib_per_1000_steps": None if slope is None else round(slope, 1),
+        "metrics_history_mib": round(len(json.dumps(metrics.to_dict("records"))) / 2**20, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "failures": {"skipped_updates": int(metrics["skipped"].sum()),
                      "reward_errors": int(metrics["reward_errors"].sum())},
