@@ -5,7 +5,7 @@ import torch
 
 import rlbench as rl
 from rlbench.batch import left_pad
-from rlbench.policy import Policy
+from rlbench.policy import Policy, response_outputs
 from rlbench.policy.training import OptimSettings
 from rlbench.samplers import HFSampler, SamplingParams
 
@@ -69,3 +69,17 @@ def test_bf16_precision_stays_close_to_fp32(tiny_dir, rollout):
     prompt = rollout["prompt_ids"][0][rollout["prompt_mask"][0].bool()].tolist()
     out = sampler.generate([prompt], SamplingParams(n=4, seed=0))
     assert out["sampler_logp"].dtype == torch.float32 and out["response_mask"].sum() > 0
+
+
+def test_shared_prompt_packing_equals_the_padded_forward(tiny, rollout):
+    # 4 groups of 4 samples: each prompt runs once, every response token sees its prompt and its own prefix
+    model, _ = tiny
+    ids_B_L = torch.cat([rollout["prompt_ids"], rollout["response_ids"]], dim=1)
+    mask_B_L = torch.cat([rollout["prompt_mask"], rollout["response_mask"]], dim=1)
+    P, T = rollout["prompt_ids"].shape[1], rollout["response_ids"].shape[1]
+    with torch.no_grad():
+        padded = model(input_ids=ids_B_L, attention_mask=mask_B_L,
+                       position_ids=(mask_B_L.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1 : P + T - 1]
+        packed = response_outputs(model, rollout)
+    valid = rollout["response_mask"].bool()
+    torch.testing.assert_close(packed[valid], padded[valid], atol=1e-5, rtol=0)
