@@ -84,6 +84,11 @@ class CompactDecoder:
         self.length, self.position_B = P, position_N_P[:, -1].repeat_interleave(n, 0)
         return logits_N_V.repeat_interleave(n, 0)
 
+    def keep(self, rows_b: torch.Tensor) -> None:
+        """Go on with these rows of the batch only (finished rows cost nothing more)."""
+        self.cache_K, self.cache_V = self.cache_K[:, rows_b], self.cache_V[:, rows_b]
+        self.valid_B_L, self.position_B = self.valid_B_L[rows_b], self.position_B[rows_b]
+
     @torch.no_grad()
     def step(self, token_B: torch.Tensor) -> torch.Tensor:
         """Append one token per row; returns the logits `[B, V]` of the next one."""

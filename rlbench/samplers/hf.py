@@ -52,16 +52,20 @@ class HFSampler:
         logp_B_T = torch.zeros((B, T), device=device)
         response_mask_B_T = torch.zeros((B, T), dtype=torch.long, device=device)
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
-        logits_B_V = self.decoder.start(ids_N_P.to(device), mask_N_P.to(device), T, params.n)
+        rows_b = torch.arange(B, device=device)  # the rows still generating: the decoder holds only these
+        logits_b_V = self.decoder.start(ids_N_P.to(device), mask_N_P.to(device), T, params.n)
         for t in range(T):
-            token_B, token_logp_B = sample_next(logits_B_V.float(), params, generator)
-            tokens_B_T[:, t] = token_B.masked_fill(done_B, self.pad_token_id)
-            logp_B_T[:, t] = token_logp_B.masked_fill(done_B, 0.0)
-            response_mask_B_T[:, t] = (~done_B).long()
-            done_B |= torch.isin(token_B, stop_ids)
-            if t == T - 1 or bool(done_B.all()):
+            token_b, token_logp_b = sample_next(logits_b_V.float(), params, generator)
+            tokens_B_T[rows_b, t], logp_B_T[rows_b, t], response_mask_B_T[rows_b, t] = token_b, token_logp_b, 1
+            stopped_b = torch.isin(token_b, stop_ids)
+            done_B[rows_b[stopped_b]] = True
+            if t == T - 1 or bool(stopped_b.all()):
                 break
-            logits_B_V = self.decoder.step(tokens_B_T[:, t])
+            if bool(stopped_b.any()):  # drop finished rows from the decoder's batch
+                running_b = (~stopped_b).nonzero().squeeze(-1)
+                self.decoder.keep(running_b)
+                rows_b, token_b = rows_b[running_b], token_b[running_b]
+            logits_b_V = self.decoder.step(token_b)
         width = t + 1
         return Batch({
             "response_ids": tokens_B_T[:, :width].cpu(),
@@ -103,6 +107,11 @@ class TransformersDecoder:
         self.attention_B_L = mask_N_P.repeat_interleave(n, 0)
         self.position_B = position_N_P[:, -1].repeat_interleave(n, 0)
         return logits_N_V.repeat_interleave(n, 0)
+
+    def keep(self, rows_b: torch.Tensor) -> None:
+        """Go on with these rows of the batch only."""
+        self.cache.batch_select_indices(rows_b)
+        self.attention_B_L, self.position_B = self.attention_B_L[rows_b], self.position_B[rows_b]
 
     def step(self, token_B: torch.Tensor) -> torch.Tensor:
         self.attention_B_L = torch.cat([self.attention_B_L, self.attention_B_L.new_ones(len(token_B), 1)], dim=1)
