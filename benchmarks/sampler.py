@@ -1,8 +1,11 @@
 """Sampler throughput: rlbench's HF decode loop vs transformers `generate`, same model, batch and prompts.
 
 Prints one JSON line per (batch size, mode): generated tokens per second for both, and their ratio.
-Greedy rows produce identical tokens in both, so the work is the same; sampled rows count real tokens.
-Run: .venv/bin/python benchmarks/sampler.py [--model tiny-arith] [--threads 1] [--batch 32 128]
+Modes: greedy and sampled with one sample per prompt (`batch` different prompts), and "grpo": 8 samples
+per prompt at temperature 1 (`batch` / 8 prompts; `generate` with num_return_sequences=8), the rollout
+shape of a GRPO step. Greedy rows produce identical tokens in both, so the work is the same; sampled rows
+count real tokens. --precision bf16 runs both on a bfloat16 copy of the model.
+Run: .venv/bin/python benchmarks/sampler.py [--model tiny-arith] [--threads 1] [--batch 32 128] [--precision fp32]
 """
 
 import argparse
@@ -23,19 +26,20 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = rl.models.load(args.model)
+    model, tokenizer = rl.models.load(args.model, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32)
     sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     prompts = [tokenizer.encode(e["prompt"], add_special_tokens=False) for e in rl.tasks.get("arithmetic").test]
     for batch in args.batch:
-        rows = [prompts[i % len(prompts)] for i in range(batch)]
-        for temperature in (0.0, 1.0):
-            params = SamplingParams(n=1, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=0)
+        for mode, n, temperature in [("greedy", 1, 0.0), ("sampled", 1, 1.0), ("grpo", 8, 1.0)]:
+            rows = [prompts[i % len(prompts)] for i in range(batch // n)]
+            params = SamplingParams(n=n, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=0)
             ours = tokens_per_second(lambda: sampler.generate(rows, params)["response_mask"].sum(), args.repeats)
             theirs = tokens_per_second(lambda: _generate(model, tokenizer, rows, params), args.repeats)
             print(json.dumps({"bench": "sampler", "model": args.model, "threads": args.threads, "batch": batch,
-                              "mode": "greedy" if temperature == 0 else "sampled",
+                              "mode": mode, "precision": args.precision,
                               "rlbench_tokens_per_s": round(ours), "generate_tokens_per_s": round(theirs),
                               "speedup": round(ours / theirs, 2)}), flush=True)
 
@@ -44,6 +48,7 @@ def _generate(model, tokenizer, rows, params):
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=params.max_new_tokens,
                          do_sample=not params.greedy, temperature=params.temperature or None, top_k=None, top_p=None,
+                         num_return_sequences=params.n,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     new = out[:, ids.shape[1]:]
     # count real tokens: up to and including the first EOS of each row

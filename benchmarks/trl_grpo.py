@@ -82,7 +82,7 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(setting["model_dir"], local_files_only=True, dtype=torch.float32)
     config = GRPOConfig(
         output_dir=str(work / f"trl-seed{args.seed}"), seed=args.seed, max_steps=args.steps, use_cpu=True,
-        bf16=False, per_device_train_batch_size=setting["prompts_per_step"] * setting["samples_per_prompt"],
+        bf16=setting["precision"] == "bf16", per_device_train_batch_size=setting["prompts_per_step"] * setting["samples_per_prompt"],
         num_generations=setting["samples_per_prompt"], max_completion_length=setting["max_new_tokens"],
         temperature=setting["temperature"], learning_rate=setting["lr"], lr_scheduler_type="constant",
         max_grad_norm=setting["grad_clip"], beta=0.0, num_iterations=1, epsilon=0.2, loss_type="grpo",

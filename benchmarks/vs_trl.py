@@ -5,7 +5,7 @@ The first run creates TRL's own environment in benchmarks/.venv-trl (git-ignored
 first so that pip takes the local CPU wheel, then a pinned trl). Both libraries train tiny-arith (the
 same weights) on two-digit addition: 16 prompts x 8 samples per step, at most 8 new tokens, temperature 1,
 AdamW lr 1e-4 constant, gradient clip 1, PPO clip 0.2 with GRPO's per-sequence loss, no KL, one optimizer
-step per batch, fp32, one torch thread. Each draws its prompts from the same 7,900 training examples in its
+step per batch, one torch thread, fp32 or (--precision bf16, TRL's default) bfloat16 autocast in both. Each draws its prompts from the same 7,900 training examples in its
 own seeded order. Prints one JSON line: per library the median s/step (steps after the first two, all
 seeds), the stage split, generated tokens/s during generation, greedy held-out accuracy before / after
 per seed; then rlbench / TRL ratios.
@@ -45,10 +45,10 @@ def ensure_trl_venv() -> Path:
     return python
 
 
-def write_workdir(work: Path) -> None:
-    """The model directory and the prompts, as files TRL's side reads."""
+def write_workdir(work: Path, precision: str) -> None:
+    """The model directory, the settings and the prompts, as files TRL's side reads."""
     task = rl.tasks.get("arithmetic")
-    setting = SETTING | {"model_dir": str(rl.models.resolve("tiny-arith"))}
+    setting = SETTING | {"model_dir": str(rl.models.resolve("tiny-arith")), "precision": precision}
     (work / "setting.json").write_text(json.dumps(setting))
     for name, examples in [("train", task.train), ("test", task.test)]:
         rows = [json.dumps({"prompt": e["prompt"], "answer": e["answer"]}) for e in examples]
@@ -67,10 +67,11 @@ def run_trl(python: Path, work: Path, seed: int, steps: int) -> dict:
                 greedy_before=out["greedy_before"], greedy_after=out["greedy_after"])
 
 
-def run_rlbench(seed: int, steps: int, **options) -> dict:
+def run_rlbench(seed: int, steps: int, precision: str) -> dict:
+    """rlbench on the same setting; like TRL here, old_logp is the update's own forward (one update per batch)."""
     algorithm = rl.algorithms.get("grpo").replace(kl_coef=0.0)
     with rl.Session(model="tiny-arith", task="arithmetic", algorithm=algorithm, cluster="inline", threads=1,
-                    seed=seed, log_dir=None, **SETTING, **options) as s:
+                    seed=seed, log_dir=None, precision=precision, on_policy_old_logp=True, **SETTING) as s:
         before = s.evaluate()["greedy_accuracy"]
         metrics = s.run(steps, progress=False).iloc[WARMUP_STEPS:]
         after = s.evaluate()["greedy_accuracy"]
@@ -97,6 +98,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     torch.set_num_threads(1)
     python = ensure_trl_venv()
@@ -104,12 +106,13 @@ def main():
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        write_workdir(work)
+        write_workdir(work, args.precision)
         for seed in args.seeds:  # back to back, so both see the same machine load
             results["trl"].append(run_trl(python, work, seed, args.steps))
-            results["rlbench"].append(run_rlbench(seed, args.steps))
+            results["rlbench"].append(run_rlbench(seed, args.steps, args.precision))
     trl, ours = summary(results["trl"]), summary(results["rlbench"])
-    print(json.dumps({"bench": "vs_trl", "steps": args.steps, "seeds": args.seeds, "trl_version": TRL_VERSION,
+    print(json.dumps({"bench": "vs_trl", "steps": args.steps, "seeds": args.seeds, "precision": args.precision,
+                      "trl_version": TRL_VERSION,
                       "wall_s": round(time.perf_counter() - start), "trl": trl, "rlbench": ours,
                       "ratios": {"s_per_step": round(ours["s_per_step"] / trl["s_per_step"], 3),
                                  "generated_tokens_per_s": round(ours["generated_tokens_per_s"] /
