@@ -3,6 +3,12 @@
 import statistics
 import time
 
+import torch
+import transformers
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import rlbench as rl
+
 
 def tokens_per_second(fn, repeats: int) -> float:
     """Median of `fn()`'s returned token count over its wall time, after one warm-up call."""
@@ -13,3 +19,18 @@ def tokens_per_second(fn, repeats: int) -> float:
         tokens = int(fn())
         rates.append(tokens / (time.perf_counter() - start))
     return statistics.median(rates)
+
+
+def random_qwen2(directory: str, *, hidden: int = 256, layers: int = 4, intermediate: int = 1024, heads: int = 4,
+                 kv_heads: int = 2, seed: int = 0) -> str:
+    """A randomly initialised Qwen2 with tiny-arith's tokenizer, saved to `directory` (default ~4M parameters)."""
+    tokenizer = rl.models.build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32")
+    torch.manual_seed(seed)
+    transformers.utils.logging.disable_progress_bar()
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -14,24 +14,10 @@ import tempfile
 import time
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import rlbench as rl
 from rlbench.samplers import HFSampler, SamplingParams, VLLMSampler
-from timing import tokens_per_second
-
-
-def random_qwen2(directory: str, seed: int = 0) -> str:
-    """A random Qwen2 of ~4M parameters with tiny-arith's tokenizer, saved to `directory`."""
-    tokenizer = rl.models.build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, dtype="float32")
-    torch.manual_seed(seed)
-    Qwen2ForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+from timing import random_qwen2, tokens_per_second
 
 
 def main():

@@ -9,7 +9,7 @@ from rlbench.batch import Batch
 
 
 PACK_WIDTH = 128
-"""Packed rows hold at least this many tokens (more when one prompt group is longer)."""
+"""Packed rows are a whole number of the longest prompt group's lengths, at least this many tokens."""
 
 
 def response_outputs(model, batch: Batch) -> torch.Tensor:
@@ -17,7 +17,7 @@ def response_outputs(model, batch: Batch) -> torch.Tensor:
 
     No compute goes to padding, nor to a prompt more than once: consecutive rows with the same prompt (a
     group of samples) are laid out as the prompt's real tokens once, then each row's real response tokens,
-    and groups are packed back to back into rows of `max(PACK_WIDTH, longest group)` tokens. A 4D mask
+    and groups are packed back to back into rows of about `PACK_WIDTH` tokens (see there). A 4D mask
     lets a prompt token attend to the prompt causally and a response token to its prompt and, causally, to
     its own response; position ids are those each row had in the sampler (the prompt's real tokens count
     from 0, the response continues). So every response token sees exactly the context it had unpacked (the
@@ -49,7 +49,8 @@ def _pack_groups(batch: Batch):
     before_B = response_len_B.cumsum(0) - response_len_B
     within_B = before_B - before_B[first_G][group_B]  # response tokens of earlier rows of the same group
     group_len_G = prompt_len_B[first_G] + torch.zeros_like(first_G).index_add_(0, group_B, response_len_B)
-    W = max(PACK_WIDTH, int(group_len_G.max()))
+    longest = int(group_len_G.max())
+    W = longest * -(-PACK_WIDTH // longest)
     offsets, row, used = [], 0, 0  # groups back to back, a group never split across rows
     for n in group_len_G.tolist():
         if used + n > W:
