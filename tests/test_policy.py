@@ -21,7 +21,7 @@ def rollout(tiny):
 
 
 def gradients(policy):
-    return {n: p.grad.full_tensor().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+    return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("mode", rl.algorithms.REDUCTIONS)

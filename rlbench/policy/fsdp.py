@@ -1,7 +1,7 @@
 """The trainable policy: a transformers causal LM sharded with FSDP2.
 
-One `Policy` object is one rank. At world size 1 (inline) it is the same code with a one-rank mesh,
-so going multi-rank changes where the object lives, not what it computes. Loss reductions take the
+One `Policy` object is one rank. At world size 1 (inline) it is the same code on the unsharded model
+(`training.shard`), so going multi-rank changes where the object lives, not what it computes. Loss reductions take the
 token and sequence counts of the whole mini-batch (across micro-batches and ranks) from the caller:
 the gradient of an optimizer step does not depend on how the mini-batch was cut.
 """
