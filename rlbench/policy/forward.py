@@ -8,7 +8,7 @@ import torch.distributed as dist
 from rlbench.batch import Batch
 
 
-PACK_WIDTH = 128
+PACK_WIDTH = 64
 """Packed rows are a whole number of the longest prompt group's lengths, at least this many tokens."""
 
 
