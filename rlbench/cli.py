@@ -233,9 +233,8 @@ def leaderboard_run(label: str, settings: dict, preset: str, seed: int, steps: i
     import rlbench as rl
 
     start = time.perf_counter()
-    kwargs = {"cluster": "inline", "threads": 1, "log_dir": None} | settings
-    session = rl.Session(**kwargs | {"task": recipes.build_task(settings.get("task", "arithmetic")),
-                                     "algorithm": preset, "seed": seed})
+    kwargs = {"cluster": "inline", "threads": 1, "log_dir": None} | settings | {"algorithm": preset, "seed": seed}
+    session = rl.Session(**recipes.session_kwargs(kwargs))
     before = session.evaluate()["greedy_accuracy"]
     tokens = []
     generate = session.generate

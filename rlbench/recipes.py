@@ -19,6 +19,7 @@ reproduces with its source:
     task = "arithmetic"            # or a table: {name = "countdown", count = 4}  (a built-in task's options)
                                    #          or {train = "data/gsm8k/train.parquet", test = "data/gsm8k/test.parquet"}
     algorithm = "grpo"             # or a table: {preset = "grpo", kl_coef = 0.0}  (a preset with fields changed)
+                                   #          or {name = "mine", advantage = "rloo", loss = "gpg"}  (a new one)
     lr = 1e-4
 
 Overrides are `KEY=VALUE` with dotted keys into that structure (`session.lr=3e-4`, `steps=20`,
@@ -90,8 +91,7 @@ class Recipe:
 
     def session_kwargs(self) -> dict:
         """`rl.Session(**recipe.session_kwargs())`: the task and algorithm tables built (data files are read)."""
-        return self.session | {"task": build_task(self.session["task"]),
-                               "algorithm": build_algorithm(self.session["algorithm"])}
+        return session_kwargs(self.session)
 
 
 def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recipe:
@@ -155,6 +155,12 @@ def check_session(settings: dict, prefix: str) -> dict:
     return out
 
 
+def session_kwargs(settings: dict) -> dict:
+    """Checked session settings with their `task` and `algorithm` tables (or names) built into objects."""
+    builders = {"task": build_task, "algorithm": build_algorithm}
+    return settings | {key: build(settings[key]) for key, build in builders.items() if key in settings}
+
+
 def build_task(spec: str | dict):
     """A task from a recipe's `task`: a built-in name, {name = ..., option = ...}, or {train = FILE, ...}."""
     if isinstance(spec, str):
@@ -168,11 +174,13 @@ def build_task(spec: str | dict):
 
 
 def build_algorithm(spec: str | dict) -> algorithms.Algorithm:
-    """An algorithm from a recipe's `algorithm`: a preset name, or {preset = NAME, field = value, ...}."""
+    """An algorithm from a recipe's `algorithm`: a preset name, {preset = NAME, field = value, ...} (the preset
+    with those fields changed), or the fields of a new `rl.algorithms.Algorithm` (name, advantage, loss, ...)."""
     if isinstance(spec, str):
         return algorithms.get(spec)
-    changes = {k: v for k, v in spec.items() if k != "preset"}
-    return algorithms.get(spec.get("preset", "grpo")).replace(**changes)
+    if "preset" not in spec:
+        return algorithms.Algorithm(**spec)
+    return algorithms.get(spec["preset"]).replace(**{k: v for k, v in spec.items() if k != "preset"})
 
 
 def apply_override(raw: dict, assignment: str) -> None:

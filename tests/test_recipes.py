@@ -34,7 +34,8 @@ def test_gpu_recipes_follow_the_published_settings():
         assert set(cfg.task) == {"train", "test"}  # data files, read only when the session starts
     assert ppo.target.value == 0.567 and "PPO 56.7" in ppo.target.source and "49.6" in ppo.target.source
     assert ppo.config().algorithm == "ppo" and ppo.config().critic_lr == 1e-5 and ppo.config().samples_per_prompt == 1
-    assert grpo.config().samples_per_prompt == 5 and grpo.config().prompts_per_step == 1024 and "verl" in grpo.target.source
+    assert grpo.config().samples_per_prompt == 5 and grpo.config().prompts_per_step == 1024
+    assert "verl" in grpo.target.source
     assert dapo.target is None and dapo.config().algorithm == "dapo" and dapo.config().samples_per_prompt == 16
 
 
@@ -104,3 +105,11 @@ def test_leaderboard_spec_covers_every_preset_on_two_tasks():
         recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["tasks.arithmetic.seed=3"])
     with pytest.raises(recipes.RecipeError, match="presets: 'grpox' is not one of"):
         recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ['presets=["grpox"]'])
+
+
+def test_algorithm_table_without_preset_builds_a_new_algorithm():
+    recipe = recipes.load(ARITHMETIC, ['session.algorithm={name = "mine", advantage = "rloo", loss = "gpg"}'])
+    algorithm = recipe.session_kwargs()["algorithm"]
+    assert algorithm.name == "mine" and algorithm.advantage is rl.algorithms.advantage_fn("rloo")
+    with pytest.raises(recipes.RecipeError, match="session.algorithm: .*missing .*'name'"):
+        recipes.load(ARITHMETIC, ['session.algorithm={advantage = "rloo", loss = "gpg"}'])
