@@ -4,7 +4,7 @@
     rlbench reproduce algorithms/grpo/arithmetic-tiny.toml                      # train, evaluate, PASS / FAIL
     rlbench eval MODEL_DIR --task arithmetic --samples 8                        # greedy, pass@k, maj@k
     rlbench leaderboard                                                         # algorithms/LEADERBOARD.md + .png
-    rlbench bench [step sampler ...]                                            # benchmarks/*.py, JSON lines
+    rlbench bench [step sampler ...] [--all]                                    # benchmarks/*.py, JSON lines
 
 Overrides are dotted `KEY=VALUE` into the recipe (see `rlbench.recipes`); a bad one stops before any work
 with a message naming the key and what it accepts.
@@ -25,6 +25,8 @@ from pathlib import Path
 from rlbench import recipes
 
 LEADERBOARD_SPEC = "algorithms/leaderboard.toml"
+QUICK_BENCHMARKS = ("sampler", "step")
+"""What `rlbench bench` runs without names: the benchmarks that take a minute or two on 2 cores."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--spec", default=LEADERBOARD_SPEC, help="the leaderboard's settings (default: %(default)s)")
     sub.add_argument("--out", default="algorithms/LEADERBOARD.md", help="markdown file; the plot goes next to it")
     sub = command("bench", bench, "run benchmark scripts of benchmarks/ (each prints JSON)")
-    sub.add_argument("names", nargs="*", help="script names without .py (default: every script of benchmarks/)")
+    sub.add_argument("names", nargs="*", help=f"script names without .py (default: the quick ones, "
+                     f"{' '.join(QUICK_BENCHMARKS)})")
+    sub.add_argument("--all", action="store_true", help="every script of the folder (some run for many minutes)")
     sub.add_argument("--dir", default="benchmarks")
     return parser
 
@@ -319,8 +323,10 @@ def plot_leaderboard(rows: list[dict], path: Path) -> None:
 # ------------------------------------------------------------------------------------------------- bench
 def bench(args) -> int:
     folder = Path(args.dir)
-    scripts = ([folder / f"{name}.py" for name in args.names] if args.names else
-               sorted(p for p in folder.glob("*.py") if "__main__" in p.read_text()))
+    if args.all:
+        scripts = sorted(p for p in folder.glob("*.py") if "__main__" in p.read_text())
+    else:
+        scripts = [folder / f"{name}.py" for name in args.names or QUICK_BENCHMARKS]
     missing = [str(p) for p in scripts if not p.is_file()]
     if missing:
         raise recipes.RecipeError(f"names: no benchmark {', '.join(missing)}; accepted: "

@@ -114,7 +114,7 @@ def test_leaderboard_writes_markdown_and_plot(tmp_path):
 
 def test_bench_runs_scripts_and_names_a_missing_one(tmp_path):
     (tmp_path / "hello.py").write_text('import json\nif __name__ == "__main__":\n    print(json.dumps({"bench": "hello"}))\n')
-    result = rlbench("bench", "--dir", str(tmp_path))
+    result = rlbench("bench", "--all", "--dir", str(tmp_path))
     assert result.returncode == 0 and '{"bench": "hello"}' in result.stdout
     result = rlbench("bench", "nope", "--dir", str(tmp_path))
     assert result.returncode == 2 and "names: no benchmark" in result.stderr and "accepted: hello" in result.stderr
