@@ -1,6 +1,6 @@
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
 import rlbench as rl
 from rlbench.batch import left_pad
@@ -142,3 +142,20 @@ def test_sampling_draws_from_the_tempered_distribution():
     torch.testing.assert_close(logp_B, p_V.log()[token_B])
     top2_B, _ = sample_next(logits_B_V, SamplingParams(temperature=1.0, top_k=2), generator)
     assert set(top2_B.tolist()) == {0, 1}
+
+
+def test_qwen3_per_head_norms_match_transformers(tiny):
+    _, tokenizer = tiny
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    qwen3 = Qwen3ForCausalLM(config).eval()
+    sampler = HFSampler(qwen3, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    assert isinstance(sampler.decoder, CompactDecoder)
+    rows = encode(tokenizer, PROMPTS)
+    out = sampler.generate(rows, SamplingParams(max_new_tokens=8, temperature=0))
+    assert torch.equal(out["response_ids"], generate_reference(qwen3, tokenizer, rows, 8)[:, : out["response_ids"].shape[1]])
+    sampled = sampler.generate(rows, SamplingParams(n=3, max_new_tokens=8, seed=0))
+    recomputed = batch_logp(qwen3, with_prompts(sampled, rows, tokenizer, 3), temperature=1.0, micro_batch_tokens=64)
+    torch.testing.assert_close(sampled["sampler_logp"], recomputed, atol=1e-5, rtol=0)
