@@ -36,5 +36,4 @@ test: venv vllm
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/sampler.py
-	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/step.py
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/rlbench bench
