@@ -348,7 +348,7 @@ class Session:
             for workers, name in self._trained_groups():
                 workers.call(name, "save_checkpoint", str(folder / name))
             if not self._sampler_synced:
-                torch.save(self.generation.call("sampler", "state_dict")[0], folder / "sampler.pt")
+                torch.save(self._sampler_weights(), folder / "sampler.pt")
             (folder / "config.json").write_text(json.dumps(self.config.to_record(), indent=1))
             torch.save(self._state(), folder / "session.pt")
         return root / f"step-{self.step_count:06d}"
@@ -377,6 +377,15 @@ class Session:
         self.workers.call("policy", "export", str(path))
         self.tokenizer.save_pretrained(path)
         return path
+
+    def _sampler_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the sampler holds, for a checkpoint taken while they lag the policy's."""
+        try:
+            return self.generation.call("sampler", "state_dict")[0]
+        except AttributeError as error:
+            raise ValueError(f"the sampler's weights lag the policy's (update(sync=False)) and this sampler "
+                             f"({self.sampler_choice}) cannot hand them over (no state_dict()): call "
+                             f"sync_weights() before save()") from error
 
     def _save_dir(self) -> Path:
         cfg = self.config

@@ -13,6 +13,7 @@ import torch
 
 import rlbench as rl
 from rlbench import checkpoints
+from rlbench.samplers import HFSampler
 
 SMALL = dict(model="tiny-arith", task="arithmetic", cluster="inline", prompts_per_step=4, samples_per_prompt=4,
              max_new_tokens=8, threads=1, seed=5)
@@ -54,6 +55,29 @@ def test_a_lagging_sampler_is_restored_as_it_was(tmp_path):
     assert (folder / "sampler.pt").is_file()
     with rl.Session.restore(folder) as r:
         assert torch.equal(r.rollout()["sampler_logp"], expected["sampler_logp"])
+
+
+class WithoutStateDict:
+    """A sampler that cannot hand its weights over (like the vLLM one)."""
+
+    def __init__(self, model_dir):
+        self._inner = HFSampler.from_pretrained(model_dir)
+
+    def generate(self, prompt_ids, params):
+        return self._inner.generate(prompt_ids, params)
+
+    def load_weights(self, state_dict):
+        self._inner.load_weights(state_dict)
+
+
+def test_a_lagging_sampler_without_state_dict_is_named(tiny_dir, tmp_path):
+    with rl.Session(**SMALL, sampler=WithoutStateDict(tiny_dir)) as s:
+        s.update(s.advantage(s.score(s.rollout())), sync=False)
+        with pytest.raises(ValueError, match=r"sampler's weights lag .*WithoutStateDict.*call sync_weights\(\)"):
+            s.save(tmp_path)
+        assert checkpoints.step_dirs(tmp_path) == []  # nothing half-written
+        s.sync_weights()
+        assert s.save(tmp_path).is_dir()
 
 
 def test_periodic_saves_keep_the_last_k_and_restore_takes_the_latest(tmp_path):
