@@ -6,6 +6,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import rlbench as rl  # noqa: E402
+from rlbench.batch import left_pad  # noqa: E402
+from rlbench.samplers import HFSampler, SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +20,19 @@ def tiny_dir():
 def tiny(tiny_dir):
     """(model, tokenizer) of the built-in tiny model."""
     return rl.models.load(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def rollout(tiny):
+    """16 sampled rollouts (4 prompts x 4) of the tiny model with prompts and seeded random advantages:
+    the input of the policy's training tests."""
+    model, tokenizer = tiny
+    rows = [tokenizer.encode(p, add_special_tokens=False) for p in ["12+34=", "7+5=", "99+99=", "3+40="]]
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = sampler.generate(rows, SamplingParams(n=4, max_new_tokens=8, seed=0))
+    ids, mask = left_pad([r for r in rows for _ in range(4)], tokenizer.pad_token_id)
+    advantages = torch.randn(len(out), 1, generator=torch.Generator().manual_seed(0)) * out["response_mask"]
+    return out.with_columns(prompt_ids=ids, prompt_mask=mask, advantages=advantages)
 
 
 @pytest.fixture(autouse=True)

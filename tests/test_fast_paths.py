@@ -4,24 +4,12 @@ import pytest
 import torch
 
 import rlbench as rl
-from rlbench.batch import left_pad
 from rlbench.policy import Policy, response_outputs
 from rlbench.policy.training import OptimSettings
 from rlbench.samplers import HFSampler, SamplingParams
 
 SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", prompts_per_step=4,
              samples_per_prompt=4, max_new_tokens=8, log_dir=None)
-
-
-@pytest.fixture(scope="module")
-def rollout(tiny):
-    model, tokenizer = tiny
-    rows = [tokenizer.encode(p, add_special_tokens=False) for p in ["12+34=", "7+5=", "99+99=", "3+40="]]
-    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    out = sampler.generate(rows, SamplingParams(n=4, max_new_tokens=8, seed=0))
-    ids, mask = left_pad([r for r in rows for _ in range(4)], tokenizer.pad_token_id)
-    advantages = torch.randn(len(out), 1, generator=torch.Generator().manual_seed(0)) * out["response_mask"]
-    return out.with_columns(prompt_ids=ids, prompt_mask=mask, advantages=advantages)
 
 
 def test_update_without_old_logp_equals_update_with_recomputed_old_logp(tiny_dir, rollout):

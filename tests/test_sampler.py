@@ -3,6 +3,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
 import rlbench as rl
+from rollout_checks import assert_rollout_layout
 from rlbench.batch import left_pad
 from rlbench.policy import batch_logp
 from rlbench.samplers import HFSampler, SamplingParams, sample_next
@@ -27,6 +28,19 @@ def generate_reference(model, tokenizer, rows, max_new_tokens):
 def with_prompts(out, rows, tokenizer, n=1):
     ids, mask = left_pad([r for r in rows for _ in range(n)], tokenizer.pad_token_id)
     return out.with_columns(prompt_ids=ids, prompt_mask=mask)
+
+
+def decodes_like_transformers(model, tokenizer) -> HFSampler:
+    """An HFSampler over `model` whose greedy tokens equal `generate`'s and whose sampled log-probs equal the
+    model's recomputation (asserted); returned for checks of which decoder it chose."""
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    rows = encode(tokenizer, PROMPTS)
+    out = sampler.generate(rows, SamplingParams(max_new_tokens=8, temperature=0))
+    assert torch.equal(out["response_ids"], generate_reference(model, tokenizer, rows, 8)[:, : out["response_ids"].shape[1]])
+    sampled = sampler.generate(rows, SamplingParams(n=3, max_new_tokens=8, seed=0))
+    recomputed = batch_logp(model, with_prompts(sampled, rows, tokenizer, 3), temperature=1.0, micro_batch_tokens=64)
+    torch.testing.assert_close(sampled["sampler_logp"], recomputed, atol=1e-5, rtol=0)
+    return sampler
 
 
 def test_tiny_model_uses_the_compact_decoder(tiny):
@@ -68,14 +82,7 @@ def test_stop_mask_and_padding(tiny):
     model, tokenizer = tiny
     sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     out = sampler.generate(encode(tokenizer, PROMPTS), SamplingParams(n=8, max_new_tokens=6, seed=0))
-    ids, mask, eos = out["response_ids"], out["response_mask"], tokenizer.eos_token_id
-    for row_ids, row_mask, finished in zip(ids.tolist(), mask.tolist(), out["finished"].tolist()):
-        n = sum(row_mask)
-        assert row_mask == [1] * n + [0] * (len(row_mask) - n)           # a prefix of real tokens
-        assert all(t == tokenizer.pad_token_id for t in row_ids[n:])     # then padding
-        assert finished == (row_ids[n - 1] == eos)                       # finished iff it ended on EOS
-        assert eos not in row_ids[: n - 1]                                # nothing after the first EOS
-    assert (out["sampler_logp"] * (1 - mask)).abs().sum() == 0
+    assert_rollout_layout(out, tokenizer)
 
 
 def test_seeded_and_top_k_1_is_greedy(tiny):
@@ -96,14 +103,7 @@ def test_other_architectures_use_transformers_forward(tiny):
     _, tokenizer = tiny
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2)).eval()
-    sampler = HFSampler(gpt2, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    assert isinstance(sampler.decoder, TransformersDecoder)
-    rows = encode(tokenizer, PROMPTS)
-    out = sampler.generate(rows, SamplingParams(max_new_tokens=8, temperature=0))
-    assert torch.equal(out["response_ids"], generate_reference(gpt2, tokenizer, rows, 8)[:, : out["response_ids"].shape[1]])
-    sampled = sampler.generate(rows, SamplingParams(n=3, max_new_tokens=8, seed=0))
-    recomputed = batch_logp(gpt2, with_prompts(sampled, rows, tokenizer, 3), temperature=1.0, micro_batch_tokens=64)
-    torch.testing.assert_close(sampled["sampler_logp"], recomputed, atol=1e-5, rtol=0)
+    assert isinstance(decodes_like_transformers(gpt2, tokenizer).decoder, TransformersDecoder)
 
 
 def test_load_weights_changes_what_is_sampled(tiny_dir, tiny):
@@ -151,11 +151,4 @@ def test_qwen3_per_head_norms_match_transformers(tiny):
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     qwen3 = Qwen3ForCausalLM(config).eval()
-    sampler = HFSampler(qwen3, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    assert isinstance(sampler.decoder, CompactDecoder)
-    rows = encode(tokenizer, PROMPTS)
-    out = sampler.generate(rows, SamplingParams(max_new_tokens=8, temperature=0))
-    assert torch.equal(out["response_ids"], generate_reference(qwen3, tokenizer, rows, 8)[:, : out["response_ids"].shape[1]])
-    sampled = sampler.generate(rows, SamplingParams(n=3, max_new_tokens=8, seed=0))
-    recomputed = batch_logp(qwen3, with_prompts(sampled, rows, tokenizer, 3), temperature=1.0, micro_batch_tokens=64)
-    torch.testing.assert_close(sampled["sampler_logp"], recomputed, atol=1e-5, rtol=0)
+    assert isinstance(decodes_like_transformers(qwen3, tokenizer).decoder, CompactDecoder)

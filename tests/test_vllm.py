@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import rlbench as rl
+from rollout_checks import assert_rollout_layout
 from rlbench.batch import left_pad
 from rlbench.policy import batch_logp
 from rlbench.samplers import HFSampler, SamplingParams, VLLMSampler
@@ -76,15 +77,8 @@ def test_logp_equals_policy_recomputation(sampler, tiny, rows, params):
 def test_stop_mask_and_padding(sampler, tiny, rows):
     _, tokenizer = tiny
     out = sampler.generate(rows, SamplingParams(n=8, max_new_tokens=3, seed=0))  # "99+99=" needs 4
-    ids, mask, eos = out["response_ids"], out["response_mask"], tokenizer.eos_token_id
-    for row_ids, row_mask, finished in zip(ids.tolist(), mask.tolist(), out["finished"].tolist()):
-        n = sum(row_mask)
-        assert row_mask == [1] * n + [0] * (len(row_mask) - n)           # a prefix of real tokens
-        assert all(t == tokenizer.pad_token_id for t in row_ids[n:])     # then padding
-        assert finished == (row_ids[n - 1] == eos)                       # finished iff it ended on EOS
-        assert eos not in row_ids[: n - 1]                                # nothing after the first EOS
+    assert_rollout_layout(out, tokenizer)
     assert not out["finished"].all() and out["finished"].any()
-    assert (out["sampler_logp"] * (1 - mask)).abs().sum() == 0
 
 
 def test_seeded_samples_differ_within_a_group_and_top_k_1_is_greedy(sampler, rows):
