@@ -240,23 +240,13 @@ def leaderboard_run(label: str, settings: dict, preset: str, seed: int, steps: i
     kwargs = {"cluster": "inline", "threads": 1, "log_dir": None} | settings | {"algorithm": preset, "seed": seed}
     session = rl.Session(**recipes.session_kwargs(kwargs))
     before = session.evaluate()["greedy_accuracy"]
-    tokens = []
-    generate = session.generate
-
-    def counting(examples, params):  # every rollout, dynamic-sampling round and greedy baseline counts
-        batch = generate(examples, params)
-        tokens.append(int(batch["response_mask"].sum()))
-        return batch
-
-    session.generate = counting
     session.run(steps, progress=False)
-    session.generate = generate
     after = session.evaluate()
-    reward = session.metrics["reward_mean"]
+    reward, tokens = session.metrics["reward_mean"], session.metrics["tokens_generated"]
     session.close()
     return {"task": label, "preset": preset, "seed": seed, "before": before, **after,
             f"reward@{reward_at}": float(reward[:reward_at].tail(10).mean()),
-            f"reward@{steps}": float(reward.tail(10).mean()), "tokens": sum(tokens),
+            f"reward@{steps}": float(reward.tail(10).mean()), "tokens": int(tokens.sum()),
             "wall_s": time.perf_counter() - start}
 
 

@@ -75,6 +75,7 @@ class Session:
         self._sampler_synced = True  # False after update(sync=False): checkpoints then keep the sampler's weights
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, shuffled example indices)
         self._timings: dict[str, float] = {}
+        self._tokens_generated = 0  # response tokens sampled since the step began (extra rounds, baselines too)
 
     def _start_workers(self) -> None:
         """Build every worker: the policy ranks (with the reference and critic colocated on them, or in
@@ -162,8 +163,10 @@ class Session:
                                     seed=_mix(cfg.seed, self.rollouts_done))
             self.rollouts_done += 1
             batch = self.generate(examples, params)
+            self._tokens_generated += int(batch["response_mask"].sum())
             if self.algorithm.needs_greedy_baseline:
                 greedy = self.generate(examples, SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0))
+                self._tokens_generated += int(greedy["response_mask"].sum())
                 rows = batch["group_ids"]
                 batch = batch.with_columns(baseline_completion=[greedy["completion"][i] for i in rows],
                                            baseline_finished=greedy["finished"][rows])
@@ -275,14 +278,14 @@ class Session:
     # --------------------------------------------------------------------------------- the loop
     def step(self) -> dict:
         """One RL iteration; appends and returns its row of `metrics`."""
-        self._timings = {}
+        self._timings, self._tokens_generated = {}, 0
         start = time.perf_counter()
         batch = self.score(self.rollout())
         if self.algorithm.filter_groups:
             batch = self.keep_informative_groups(batch)
         batch = self.advantage(batch)
         stats = self.update(batch)
-        row = {"step": self.step_count} | batch_metrics(batch) | stats | {
+        row = {"step": self.step_count, "tokens_generated": self._tokens_generated} | batch_metrics(batch) | stats | {
             f"time_{k}": v for k, v in self._timings.items()} | {"time_step": time.perf_counter() - start}
         self.history.append(row)
         self.step_count += 1
@@ -472,7 +475,8 @@ class Session:
 
     @property
     def metrics(self):
-        """One row per step: rewards, accuracy, losses, KL, entropy, clipping, grad norm, lengths, timings."""
+        """One row per step: rewards, accuracy, losses, KL, entropy, clipping, grad norm, lengths, tokens generated
+        (every rollout of the step: extra dynamic-sampling rounds and greedy baselines too), timings."""
         import pandas as pd
 
         return pd.DataFrame(self.history)

@@ -186,3 +186,15 @@ def test_reward_failures_are_recorded_or_raised(tiny_dir):
     with pytest.raises(RewardError, match=r"sample \d+ .*even operand"):
         for _ in range(5):  # some step draws an even operand
             s.score(s.rollout())
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "remax"])
+def test_tokens_generated_counts_every_rollout_of_the_step(algorithm):
+    with rl.Session(**(SMALL | dict(algorithm=algorithm, threads=1))) as s:
+        row = s.step()
+        sampled = int(s.last_batch["response_mask"].sum())
+        if algorithm == "grpo":
+            assert row["tokens_generated"] == sampled
+        else:  # ReMax also decodes each prompt's greedy baseline: between 1 and max_new_tokens tokens each
+            prompts = SMALL["prompts_per_step"]
+            assert sampled + prompts <= row["tokens_generated"] <= sampled + prompts * SMALL["max_new_tokens"]
