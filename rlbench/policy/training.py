@@ -107,7 +107,10 @@ def backward(loss: torch.Tensor) -> None:
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The unsharded weights on CPU, on rank 0 (every rank takes part; the others get None)."""
+    """The unsharded weights on CPU, on rank 0 (every rank takes part; the others get None). At world size
+    1 (an unsharded model, see `shard`) these are the live parameters on CPU, not copies: readers copy."""
+    if dist.get_world_size() == 1:  # the state-dict API's traversal is most of a tiny model's sync time
+        return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return state if dist.get_rank() == 0 else None
 
