@@ -97,6 +97,13 @@ class Config:
     and reports the sampler mismatch from that forward. Needs one epoch and one mini-batch per step, and an
     algorithm without rollout correction or KL in the reward (they read `old_logp` before the update); the
     batch then has no `old_logp` column."""
+    overlap_rollout: bool = False
+    """`step()` samples (and scores) the next step's batch while this step's update runs, in a background
+    thread (a second core, or the sampler's own worker on Ray): one step off-policy, each batch sampled by
+    the weights before the previous update. Its `old_logp` is then the sampler's log-probs (PPO's old policy
+    is the one that sampled; no forward needed); with rollout correction, the policy's own forward, the
+    correction weights carrying the lag. Stage timings overlap (rollout and score run during update); the
+    step's metrics describe the batch it trained on. The next batch is kept in checkpoints."""
 
     eval_samples: int = 1
     """Sampled completions per held-out prompt in `evaluate()` (sampled accuracy averages them)."""
@@ -191,6 +198,10 @@ class Config:
         if self.on_policy_old_logp and (self.epochs_per_step > 1 or self.mini_batches_per_step > 1):
             raise ValueError("on_policy_old_logp needs epochs_per_step=1 and mini_batches_per_step=1: later "
                              "optimizer steps of a batch are off-policy and need the recorded old_logp")
+        if self.on_policy_old_logp and self.overlap_rollout:
+            raise ValueError("on_policy_old_logp needs on-policy batches, and overlap_rollout trains on batches one "
+                             "step old: drop on_policy_old_logp (with overlap_rollout, old_logp is the sampler's, "
+                             "free)")
         if rows % self.mini_batches_per_step:
             raise ValueError(
                 f"mini_batches_per_step={self.mini_batches_per_step} does not divide the step's "

@@ -14,6 +14,7 @@ import random
 import time
 import warnings
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -76,6 +77,8 @@ class Session:
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, shuffled example indices)
         self._timings: dict[str, float] = {}
         self._tokens_generated = 0  # response tokens sampled since the step began (extra rounds, baselines too)
+        self._next: Future | None = None  # overlap_rollout: the next step's batch, sampled during this update
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="rlbench-rollout")
 
     def _start_workers(self) -> None:
         """Build every worker: the policy ranks (with the reference and critic colocated on them, or in
@@ -138,6 +141,7 @@ class Session:
 
     def close(self) -> None:
         """End every worker of this session (and the Ray instance rlbench started, once unused). Idempotent."""
+        self._background.shutdown(wait=True)
         self._closer()
         for sink in self.sinks:
             sink.close()
@@ -196,8 +200,12 @@ class Session:
         algorithm = self.algorithm
         with self._timed("advantage"):
             mask_B_T = batch["response_mask"].float()
-            columns = {} if self.config.on_policy_old_logp else {
-                "old_logp": self.workers.map_rows("policy", "log_probs", batch)}
+            if self.config.on_policy_old_logp:
+                columns = {}
+            elif self.config.overlap_rollout and algorithm.correction is None:  # sampled by the previous weights
+                columns = {"old_logp": batch["sampler_logp"]}
+            else:
+                columns = {"old_logp": self.workers.map_rows("policy", "log_probs", batch)}
             meta = {}
             if self.reference_workers is not None:
                 columns["ref_logp"] = self.reference_workers.map_rows("reference", "log_probs", batch)
@@ -280,11 +288,19 @@ class Session:
         """One RL iteration; appends and returns its row of `metrics`."""
         self._timings, self._tokens_generated = {}, 0
         start = time.perf_counter()
-        batch = self.score(self.rollout())
-        if self.algorithm.filter_groups:
-            batch = self.keep_informative_groups(batch)
-        batch = self.advantage(batch)
-        stats = self.update(batch)
+        pending, self._next = self._next, None
+        batch = self.advantage(pending.result() if pending is not None else self._collect())
+        if self.config.overlap_rollout:
+            # the next batch comes from the weights before this update, sampled while it runs; a failure
+            # there surfaces when the next step asks for the batch, after this step is recorded
+            self._next = self._background.submit(self._collect)
+            try:
+                stats = self.update(batch, sync=False)
+            finally:
+                wait([self._next])  # the sampler takes the new weights only when idle
+            self.sync_weights()
+        else:
+            stats = self.update(batch)
         row = {"step": self.step_count, "tokens_generated": self._tokens_generated} | batch_metrics(batch) | stats | {
             f"time_{k}": v for k, v in self._timings.items()} | {"time_step": time.perf_counter() - start}
         self.history.append(row)
@@ -297,6 +313,11 @@ class Session:
         if stats["skipped"]:
             self._skipped(stats)
         return row
+
+    def _collect(self) -> Batch:
+        """A scored batch for one step: `score(rollout())`, informative groups only under dynamic sampling."""
+        batch = self.score(self.rollout())
+        return self.keep_informative_groups(batch) if self.algorithm.filter_groups else batch
 
     def run(self, steps: int, *, progress: bool = True, retries: int = 0):
         """`steps` more iterations with a progress bar, saving a checkpoint every `save_every` steps;
@@ -341,7 +362,8 @@ class Session:
 
         Kept: the policy's weights and optimizer state, sharded (torch.distributed.checkpoint: any world
         size can load them), its LR schedule, the critic and reference where present, the sampler's weights
-        when they lag the policy's, the data position, every RNG, the metrics so far and the configuration.
+        when they lag the policy's, the batch sampled for the next step (`overlap_rollout`), the data position,
+        every RNG, the metrics so far and the configuration.
         Atomic: a crash mid-save leaves the earlier checkpoints whole. Keeps the newest `keep_last`
         (default: the config's; 0 = all).
         """
@@ -352,6 +374,10 @@ class Session:
                 workers.call(name, "save_checkpoint", str(folder / name))
             if not self._sampler_synced:
                 torch.save(self._sampler_weights(), folder / "sampler.pt")
+            if self._next is not None and self._next.exception() is None:
+                next_batch = self._next.result()
+                torch.save({"tensors": next_batch.tensors, "lists": next_batch.lists, "meta": next_batch.meta},
+                           folder / "next_batch.pt")
             (folder / "config.json").write_text(json.dumps(self.config.to_record(), indent=1))
             torch.save(self._state(), folder / "session.pt")
         return root / f"step-{self.step_count:06d}"
@@ -428,6 +454,10 @@ class Session:
         np.random.set_state((kind, key.numpy().astype(np.uint32), position, has_gauss, gauss))
         for sink in self.sinks:
             sink.resume(self.history)
+        self._next = None
+        if (folder / "next_batch.pt").is_file():
+            self._next = Future()
+            self._next.set_result(Batch(**torch.load(folder / "next_batch.pt", weights_only=True)))
         if (folder / "sampler.pt").is_file():
             self.generation.call("sampler", "load_weights", torch.load(folder / "sampler.pt", weights_only=True))
             self._sampler_synced = False

@@ -24,16 +24,19 @@ def _numbers(metrics):
     return metrics.drop(columns=[c for c in metrics.columns if c.startswith("time_")])
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # grpo: a reference model; ppo: a critic and adaptive KL
-def test_resume_is_the_uninterrupted_run_bit_for_bit(algorithm, tmp_path):
-    with rl.Session(**SMALL, algorithm=algorithm, run_name="whole") as whole:
+# grpo: a reference model; ppo: a critic and adaptive KL; overlap: the batch sampled for the next step
+@pytest.mark.parametrize("algorithm, overlap", [("grpo", False), ("ppo", False), ("grpo", True)],
+                         ids=["grpo", "ppo", "grpo-overlap"])
+def test_resume_is_the_uninterrupted_run_bit_for_bit(algorithm, overlap, tmp_path):
+    with rl.Session(**SMALL, algorithm=algorithm, overlap_rollout=overlap, run_name="whole") as whole:
         expected = whole.run(5, progress=False)
         expected_weights = whole.workers.call("policy", "state_dict")[0]
 
-    with rl.Session(**SMALL, algorithm=algorithm, run_name="halves") as first:
+    with rl.Session(**SMALL, algorithm=algorithm, overlap_rollout=overlap, run_name="halves") as first:
         first.run(2, progress=False)
         folder = first.save(tmp_path / "ckpt")
     assert folder == tmp_path / "ckpt" / "step-000002"
+    assert (folder / "next_batch.pt").is_file() == overlap
     with rl.Session.restore(tmp_path / "ckpt") as second:
         assert (second.step_count, second.run_name, second.config.algorithm) == (2, "halves", algorithm)
         metrics = second.run(3, progress=False)

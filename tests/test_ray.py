@@ -69,6 +69,17 @@ def test_skipped_sync_shows_in_the_mismatch_metric(tiny_dir):
         assert ((fresh["sampler_logp"] - fresh["old_logp"]).abs() * fresh["response_mask"]).max() < 1e-4
 
 
+def test_overlapped_rollouts_on_ray_match_inline(tiny_dir):
+    runs = []
+    for cluster in ("inline", "ray"):
+        with rl.Session(**CONFIG, cluster=cluster, threads=1, overlap_rollout=True) as s:
+            runs.append(s.run(3, progress=False))
+    inline, ray = runs
+    for column in ["loss", "reward_mean", "grad_norm", "clip_frac", "tokens_generated"]:
+        torch.testing.assert_close(torch.tensor(ray[column].values), torch.tensor(inline[column].values),
+                                   atol=1e-4, rtol=0, msg=column)
+
+
 @pytest.mark.parametrize("algorithm, placement", [("ppo", "separate"), ("ppo", "colocated"),
                                                   ("reinforce_pp", "separate")])
 def test_critic_and_reference_workers(tiny_dir, algorithm, placement):

@@ -1,0 +1,75 @@
+"""overlap_rollout: the next batch is sampled during the update, by the weights before it (one step off-policy)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import rlbench as rl
+from rlbench.policy import Policy
+from rlbench.policy.training import OptimSettings
+
+SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", prompts_per_step=4,
+             samples_per_prompt=4, max_new_tokens=8, threads=1, log_dir=None)
+
+
+def test_each_batch_was_sampled_by_the_weights_before_the_previous_update(tiny_dir):
+    with rl.Session(**SMALL, seed=1, lr=1e-3, overlap_rollout=True) as s:
+        s.step()
+        after_first = {k: v.clone() for k, v in s.workers.call("policy", "state_dict")[0].items()}
+        s.step()
+        batch = s.last_batch  # trained on by the second update, sampled while the first one ran
+    assert torch.equal(batch["old_logp"], batch["sampler_logp"])  # PPO's old policy: the one that sampled
+    initial, first = (Policy(tiny_dir, OptimSettings(lr=1e-3)) for _ in range(2))
+    first.model.load_state_dict(after_first)
+    mask = batch["response_mask"].bool()
+    assert (initial.log_probs(batch) - batch["sampler_logp"])[mask].abs().max() < 1e-4
+    assert (first.log_probs(batch) - batch["sampler_logp"])[mask].abs().max() > 1e-2  # not the first update's
+
+
+def test_overlapped_training_learns(tiny_dir):
+    algorithm = rl.algorithms.get("grpo").replace(kl_coef=0.0)
+    with rl.Session(**SMALL | dict(prompts_per_step=16, samples_per_prompt=8, algorithm=algorithm), seed=0,
+                    overlap_rollout=True) as s:
+        before = s.evaluate()["greedy_accuracy"]
+        metrics = s.run(100, progress=False)
+        after = s.evaluate()["greedy_accuracy"]
+    assert after > before + 0.1, (before, after)
+    assert metrics["clip_frac"].gt(0).any()  # the ratio to the sampling weights is not identically 1
+
+
+@dataclasses.dataclass
+class Breakable:
+    """The arithmetic task, whose reward raises while `broken`."""
+    name: str = "breakable"
+    truncated_reward: float | None = None
+    broken: bool = False
+
+    def __post_init__(self):
+        base = rl.tasks.get("arithmetic")
+        self.train, self.test = base.train, base.test
+
+    def reward(self, completion, example):
+        if self.broken:
+            raise ConnectionError("reward server down")
+        return float(completion == example["answer"])
+
+
+def test_a_failed_background_rollout_surfaces_at_the_next_step_and_loses_no_update():
+    task = Breakable()
+    with rl.Session(**SMALL | dict(task=task), seed=0, overlap_rollout=True) as s:
+        s.step()
+        task.broken = True
+        s.step()  # its update ran; the batch sampled meanwhile could not be scored
+        assert s.step_count == 2 and len(s.metrics) == 2
+        with pytest.raises(rl.rewards.RewardError, match="reward server down"):
+            s.step()
+        assert s.step_count == 2
+        task.broken = False
+        s.step()  # samples afresh
+        assert s.metrics["step"].tolist() == [0, 1, 2]
+
+
+def test_overlap_and_on_policy_old_logp_exclude_each_other():
+    with pytest.raises(ValueError, match="overlap_rollout trains on batches one step old"):
+        rl.config.make_config(on_policy_old_logp=True, overlap_rollout=True)
