@@ -5,10 +5,14 @@ The first run creates TRL's own environment in benchmarks/.venv-trl (git-ignored
 first so that pip takes the local CPU wheel, then a pinned trl). Both libraries train tiny-arith (the
 same weights) on two-digit addition: 16 prompts x 8 samples per step, at most 8 new tokens, temperature 1,
 AdamW lr 1e-4 constant, gradient clip 1, PPO clip 0.2 with GRPO's per-sequence loss, no KL, one optimizer
-step per batch, one torch thread, fp32 or (--precision bf16, TRL's default) bfloat16 autocast in both. Each draws its prompts from the same 7,900 training examples in its
-own seeded order. Prints one JSON line: per library the median s/step (steps after the first two, all
-seeds), the stage split, generated tokens/s during generation, greedy held-out accuracy before / after
-per seed; then rlbench / TRL ratios.
+step per batch, one torch thread, fp32 or (--precision bf16, TRL's default) bfloat16 autocast in both.
+Each draws its prompts from the same 7,900 training examples in its own seeded order.
+
+rlbench runs twice: "rlbench" is the synchronous loop on one core, like TRL; "rlbench_overlap" sets
+`overlap_rollout` (the next batch is sampled on a second core while the update runs: one step
+off-policy). Prints one JSON line: per run the median s/step (steps after the first two, all seeds), the
+stage split (stages overlap in rlbench_overlap), generated tokens/s during generation, greedy held-out
+accuracy before / after per seed; then each rlbench run's ratios to TRL.
 """
 
 import argparse
@@ -67,11 +71,13 @@ def run_trl(python: Path, work: Path, seed: int, steps: int) -> dict:
                 greedy_before=out["greedy_before"], greedy_after=out["greedy_after"])
 
 
-def run_rlbench(seed: int, steps: int, precision: str) -> dict:
-    """rlbench on the same setting; like TRL here, old_logp is the update's own forward (one update per batch)."""
+def run_rlbench(seed: int, steps: int, precision: str, overlap: bool) -> dict:
+    """rlbench on the same setting. Synchronous, old_logp is the update's own forward, like TRL's (one update
+    per batch); overlapped, it is the sampler's (the batch is a step old)."""
     algorithm = rl.algorithms.get("grpo").replace(kl_coef=0.0)
     with rl.Session(model="tiny-arith", task="arithmetic", algorithm=algorithm, cluster="inline", threads=1,
-                    seed=seed, log_dir=None, precision=precision, on_policy_old_logp=True, **SETTING) as s:
+                    seed=seed, log_dir=None, precision=precision, on_policy_old_logp=not overlap,
+                    overlap_rollout=overlap, **SETTING) as s:
         before = s.evaluate()["greedy_accuracy"]
         metrics = s.run(steps, progress=False).iloc[WARMUP_STEPS:]
         after = s.evaluate()["greedy_accuracy"]
@@ -102,23 +108,26 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     python = ensure_trl_venv()
-    results = {"trl": [], "rlbench": []}
+    results = {"trl": [], "rlbench": [], "rlbench_overlap": []}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         write_workdir(work, args.precision)
         for seed in args.seeds:  # back to back, so both see the same machine load
             results["trl"].append(run_trl(python, work, seed, args.steps))
-            results["rlbench"].append(run_rlbench(seed, args.steps, args.precision))
-    trl, ours = summary(results["trl"]), summary(results["rlbench"])
+            for overlap in (False, True):
+                results["rlbench_overlap" if overlap else "rlbench"].append(
+                    run_rlbench(seed, args.steps, args.precision, overlap))
+    summaries = {name: summary(runs) for name, runs in results.items()}
+    trl = summaries["trl"]
+    ratios = {name: {"s_per_step": round(ours["s_per_step"] / trl["s_per_step"], 3),
+                     "generated_tokens_per_s": round(ours["generated_tokens_per_s"] / trl["generated_tokens_per_s"], 2),
+                     "greedy_after_mean_diff": round(statistics.mean(ours["greedy_after"]) -
+                                                     statistics.mean(trl["greedy_after"]), 3)}
+              for name, ours in summaries.items() if name != "trl"}
     print(json.dumps({"bench": "vs_trl", "steps": args.steps, "seeds": args.seeds, "precision": args.precision,
-                      "trl_version": TRL_VERSION,
-                      "wall_s": round(time.perf_counter() - start), "trl": trl, "rlbench": ours,
-                      "ratios": {"s_per_step": round(ours["s_per_step"] / trl["s_per_step"], 3),
-                                 "generated_tokens_per_s": round(ours["generated_tokens_per_s"] /
-                                                                 trl["generated_tokens_per_s"], 2),
-                                 "greedy_after_mean_diff": round(statistics.mean(ours["greedy_after"]) -
-                                                                 statistics.mean(trl["greedy_after"]), 3)}}))
+                      "trl_version": TRL_VERSION, "wall_s": round(time.perf_counter() - start)} | summaries |
+                     {"ratios": ratios}))
 
 
 if __name__ == "__main__":
