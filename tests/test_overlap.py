@@ -73,3 +73,16 @@ def test_a_failed_background_rollout_surfaces_at_the_next_step_and_loses_no_upda
 def test_overlap_and_on_policy_old_logp_exclude_each_other():
     with pytest.raises(ValueError, match="overlap_rollout trains on batches one step old"):
         rl.config.make_config(on_policy_old_logp=True, overlap_rollout=True)
+
+
+def test_with_rollout_correction_old_logp_is_the_policy_and_the_weights_carry_the_lag(tiny_dir):
+    algorithm = rl.algorithms.get("grpo").replace(correction=rl.algorithms.RolloutCorrection(level="token", mode="tis"))
+    with rl.Session(**SMALL | dict(algorithm=algorithm), seed=1, lr=1e-3, overlap_rollout=True) as s:
+        first = s.step()
+        second = s.step()
+        batch = s.last_batch
+    mask = batch["response_mask"].bool()
+    # step 0 trains on the first weights' own samples; step 1 on samples of the weights before its update
+    assert first["correction/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert (batch["old_logp"] - batch["sampler_logp"])[mask].abs().max() > 1e-2
+    assert (batch["correction_weights"][mask] - 1).abs().max() > 1e-2 and second["correction/weight_mean"] != 1.0
