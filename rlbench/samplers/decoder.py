@@ -3,8 +3,10 @@
 At the sizes rlbench trains on a CPU, a decode step costs more in per-module Python overhead than in
 arithmetic. This path computes exactly the transformers forward (same formulas, fp32 accumulation
 in RMSNorm, the model's own rotary tables) with fused q/k/v and gate/up projections, a KV cache
-allocated once per call, and a padding mask updated in place, so a step is a few dozen tensor ops.
-The weights are the transformers model's: `refresh()` re-fuses them after every weight load.
+allocated once per call, an additive padding mask, and attention as plain matrix products (on a CPU,
+`scaled_dot_product_attention` costs several times the arithmetic of a one-token query), so a step is a
+few dozen tensor ops. The layer weights are transposed copies of the transformers model's (the embedding
+and LM head are shared): `refresh()` re-reads them after every weight load.
 """
 
 from __future__ import annotations
@@ -49,14 +51,13 @@ class CompactDecoder:
                 qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
             self.layers.append(dict(
                 in_norm=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t().contiguous(),
                 qkv_bias=qkv_bias,
-                q_norm=(attn.q_norm.weight, attn.q_norm.variance_epsilon) if hasattr(attn, "q_norm") else None,
-                k_norm=(attn.k_norm.weight, attn.k_norm.variance_epsilon) if hasattr(attn, "k_norm") else None,
-                o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+                qk_norm=_qk_norm(attn, self.heads, self.kv_heads),
+                o=attn.o_proj.weight.t().contiguous(), o_bias=attn.o_proj.bias,
                 post_norm=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                down=mlp.down_proj.weight,
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous(),
+                down=mlp.down_proj.weight.t().contiguous(),
             ))
 
     @torch.no_grad()
@@ -64,75 +65,119 @@ class CompactDecoder:
         """Prefill N left-padded prompts once each, then give each prompt `n` rows (prompt-major, B = N·n);
         returns the logits `[B, V]` of the first new token."""
         N, P = ids_N_P.shape
-        L = P + max_new_tokens
+        B, L = N * n, P + max_new_tokens
         device, dtype = self.embed.device, self.embed.dtype
-        self.cache_K = torch.zeros(len(self.layers), N, self.kv_heads, L, self.head_dim, device=device, dtype=dtype)
-        self.cache_V = torch.zeros_like(self.cache_K)
         position_N_P = (mask_N_P.cumsum(-1) - 1).clamp(min=0)
-        # rotary tables for every position this call can reach, from the model's own rotary module
+        # rotary tables for every position this call can reach, from the model's own rotary module; the sine
+        # carries rotate_half's sign, so that a rotation is x·cos + roll(x)·sin (see `_rope`)
         all_positions_1_L = torch.arange(int(position_N_P.max()) + max_new_tokens + 1, device=device)[None]
         cos, sin = self.model.model.rotary_emb(self.embed[:1], all_positions_1_L)
-        self.cos_L_D, self.sin_L_D = cos[0], sin[0]
+        half = self.head_dim // 2
+        self.cos_sin_L_2_D = torch.stack([cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)], 1)
         # a padded query attends to itself so that its (unused) output stays finite
         causal_P_P = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         allowed_N_P_P = (causal_P_P & mask_N_P.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-        logits_N_V = self._forward(ids_N_P, position_N_P, allowed_N_P_P[:, None], 0, last_only=True)[:, -1]
-        if n > 1:  # [layers, N, ...] -> [layers, N·n, ...]
-            self.cache_K, self.cache_V = self.cache_K.repeat_interleave(n, 1), self.cache_V.repeat_interleave(n, 1)
-        self.valid_B_L = torch.zeros(N * n, L, dtype=torch.bool, device=device)
-        self.valid_B_L[:, :P] = mask_N_P.bool().repeat_interleave(n, 0)
+        prompt_K = torch.empty(len(self.layers), N, self.kv_heads, P, self.head_dim, device=device, dtype=dtype)
+        prompt_V = torch.empty_like(prompt_K)
+        logits_N_V = self._forward(ids_N_P, position_N_P, _additive(allowed_N_P_P, dtype), prompt_K, prompt_V, 0,
+                                   last_only=True)[:, -1]
+        # B rows of L positions; a row's positions past `self.length` are never read, so they start unset
+        self.cache_K = torch.empty(len(self.layers), B, self.kv_heads, L, self.head_dim, device=device, dtype=dtype)
+        self.cache_V = torch.empty_like(self.cache_K)
+        for cache, prompt in [(self.cache_K, prompt_K), (self.cache_V, prompt_V)]:  # each prompt into its n rows
+            cache.view(len(self.layers), N, n, self.kv_heads, L, self.head_dim)[..., :P, :] = prompt[:, :, None]
+        # generated positions are all attended to: only the prompts' padding is masked
+        self.bias_B_L = torch.zeros(B, L, device=device, dtype=dtype)
+        self.bias_B_L[:, :P] = _additive(mask_N_P.bool(), dtype).repeat_interleave(n, 0)
         self.length, self.position_B = P, position_N_P[:, -1].repeat_interleave(n, 0)
         return logits_N_V.repeat_interleave(n, 0)
 
     def keep(self, rows_b: torch.Tensor) -> None:
         """Go on with these rows of the batch only (finished rows cost nothing more)."""
-        self.cache_K, self.cache_V = self.cache_K[:, rows_b], self.cache_V[:, rows_b]
-        self.valid_B_L, self.position_B = self.valid_B_L[rows_b], self.position_B[rows_b]
+        for name in ["cache_K", "cache_V"]:  # only the written positions are copied
+            cache = getattr(self, name)
+            kept = cache.new_empty(cache.shape[0], len(rows_b), *cache.shape[2:])
+            torch.index_select(cache[..., : self.length, :], 1, rows_b, out=kept[..., : self.length, :])
+            setattr(self, name, kept)
+        self.bias_B_L, self.position_B = self.bias_B_L[rows_b], self.position_B[rows_b]
 
     @torch.no_grad()
     def step(self, token_B: torch.Tensor) -> torch.Tensor:
         """Append one token per row; returns the logits `[B, V]` of the next one."""
         t = self.length
-        self.valid_B_L[:, t] = True
         self.position_B = self.position_B + 1
         self.length = t + 1
-        allowed_B_1_1_L = self.valid_B_L[:, None, None, : t + 1]
-        return self._forward(token_B[:, None], self.position_B[:, None], allowed_B_1_1_L, t)[:, -1]
+        return self._forward(token_B[:, None], self.position_B[:, None], self.bias_B_L[:, None, : t + 1],
+                             self.cache_K, self.cache_V, t)[:, -1]
 
-    def _forward(self, ids_B_S, position_B_S, allowed, start: int, last_only: bool = False) -> torch.Tensor:
-        """Logits `[B, S, V]` (`[B, 1, V]` of the last position when `last_only`), writing K/V at `start`."""
+    def _forward(self, ids_B_S, position_B_S, bias_B_S_L, cache_K, cache_V, start: int,
+                 last_only: bool = False) -> torch.Tensor:
+        """Logits `[B, S, V]` (`[B, 1, V]` of the last position when `last_only`), writing K/V at `start` into
+        the caches `[layers, B, KV, L, D]` and attending to their positions up to `start + S`."""
         B, S = ids_B_S.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        cos_B_1_S_D, sin_B_1_S_D = self.cos_L_D[position_B_S][:, None], self.sin_L_D[position_B_S][:, None]
+        end = start + S
+        cos_B_S_1_D, sin_B_S_1_D = self.cos_sin_L_2_D[position_B_S][..., None, :].unbind(2)
         x_B_S_E = F.embedding(ids_B_S, self.embed)
         for i, w in enumerate(self.layers):
-            qkv_B_S_F = F.linear(_rms_norm(x_B_S_E, *w["in_norm"]), w["qkv"], w["qkv_bias"])
-            q, k, v = qkv_B_S_F.split([H * D, KV * D, KV * D], dim=-1)
-            q_B_H_S_D = q.view(B, S, H, D).transpose(1, 2)
-            k_B_K_S_D = k.view(B, S, KV, D).transpose(1, 2)
-            if w["q_norm"] is not None:
-                q_B_H_S_D, k_B_K_S_D = _rms_norm(q_B_H_S_D, *w["q_norm"]), _rms_norm(k_B_K_S_D, *w["k_norm"])
-            q_B_H_S_D = _rope(q_B_H_S_D, cos_B_1_S_D, sin_B_1_S_D)
-            self.cache_K[i, :, :, start : start + S] = _rope(k_B_K_S_D, cos_B_1_S_D, sin_B_1_S_D)
-            self.cache_V[i, :, :, start : start + S] = v.view(B, S, KV, D).transpose(1, 2)
-            end = start + S
-            attn_B_H_S_D = F.scaled_dot_product_attention(
-                q_B_H_S_D, self.cache_K[i, :, :, :end], self.cache_V[i, :, :, :end], attn_mask=allowed,
-                enable_gqa=H != KV)
-            x_B_S_E = x_B_S_E + F.linear(attn_B_H_S_D.transpose(1, 2).reshape(B, S, H * D), w["o"], w["o_bias"])
-            gate, up = F.linear(_rms_norm(x_B_S_E, *w["post_norm"]), w["gate_up"]).chunk(2, dim=-1)
-            x_B_S_E = x_B_S_E + F.linear(F.silu(gate) * up, w["down"])
+            qkv_B_S_F = _linear(_rms_norm(x_B_S_E, *w["in_norm"]), w["qkv"], w["qkv_bias"])
+            qk_B_S_N_D, v_B_S_K_D = qkv_B_S_F.view(B, S, H + 2 * KV, D).split([H + KV, KV], dim=2)
+            if w["qk_norm"] is not None:
+                qk_B_S_N_D = _rms_norm(qk_B_S_N_D, *w["qk_norm"])
+            q_B_S_H_D, k_B_S_K_D = _rope(qk_B_S_N_D, cos_B_S_1_D, sin_B_S_1_D).split([H, KV], dim=2)
+            cache_K[i, :, :, start:end] = k_B_S_K_D.transpose(1, 2)
+            cache_V[i, :, :, start:end] = v_B_S_K_D.transpose(1, 2)
+            attn_B_S_HD = _attention(q_B_S_H_D, cache_K[i, :, :, :end], cache_V[i, :, :, :end], bias_B_S_L)
+            x_B_S_E += _linear(attn_B_S_HD, w["o"], w["o_bias"])
+            gate, up = _linear(_rms_norm(x_B_S_E, *w["post_norm"]), w["gate_up"]).chunk(2, dim=-1)
+            x_B_S_E += _linear(F.silu(gate, inplace=True).mul_(up), w["down"])
         if last_only:
             x_B_S_E = x_B_S_E[:, -1:]
         return F.linear(_rms_norm(x_B_S_E, *self.final_norm), self.lm_head)
 
 
+def _linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with the weight stored transposed (`[in, out]`): a plain product is faster on CPU at decode sizes."""
+    return x @ w_t if bias is None else x @ w_t + bias
+
+
+def _attention(q_B_S_H_D, k_B_K_L_D, v_B_K_L_D, bias_B_S_L) -> torch.Tensor:
+    """Softmax attention `[B, S, H·D]` with an additive mask, as matrix products over the G = H / KV query
+    heads that share a KV head (head h reads KV head h // G, like transformers' repeat_kv)."""
+    B, S, H, D = q_B_S_H_D.shape
+    KV, L = k_B_K_L_D.shape[1], k_B_K_L_D.shape[2]
+    G = H // KV
+    q_B_K_GS_D = q_B_S_H_D.view(B, S, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * S, D)
+    scores_B_K_G_S_L = (q_B_K_GS_D @ k_B_K_L_D.transpose(-1, -2)).view(B, KV, G, S, L)
+    scores_B_K_G_S_L = scores_B_K_G_S_L * D**-0.5 + bias_B_S_L[:, None, None]
+    # softmax written out: torch's CPU softmax kernel is several times slower on rows this short
+    exp_B_K_G_S_L = (scores_B_K_G_S_L - scores_B_K_G_S_L.amax(-1, keepdim=True)).exp()
+    probs_B_K_GS_L = (exp_B_K_G_S_L / exp_B_K_G_S_L.sum(-1, keepdim=True)).view(B, KV, G * S, L)
+    out_B_K_G_S_D = (probs_B_K_GS_L @ v_B_K_L_D).view(B, KV, G, S, D)
+    return out_B_K_G_S_D.permute(0, 3, 1, 2, 4).reshape(B, S, H * D)
+
+
+def _qk_norm(attn, heads: int, kv_heads: int) -> tuple[torch.Tensor, float] | None:
+    """Qwen3's per-head q and k RMSNorms as one norm over the H + KV heads of q and k (None without them)."""
+    if not hasattr(attn, "q_norm"):
+        return None
+    if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+        raise ValueError("CompactDecoder needs the same epsilon in q_norm and k_norm")
+    weight_N_D = torch.cat([attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)])
+    return weight_N_D, attn.q_norm.variance_epsilon
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as an additive one: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalised in fp32, cast back, then scaled."""
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding, x·cos + rotate_half(x)·sin, with rotate_half's sign folded into the sine."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
