@@ -85,6 +85,19 @@ def test_stop_mask_and_padding(tiny):
     assert_rollout_layout(out, tokenizer)
 
 
+@pytest.mark.parametrize("compact_when", [1, 10**9])  # stopped rows leave the decoder at once / never
+def test_what_a_row_draws_does_not_depend_on_when_stopped_rows_leave(tiny, monkeypatch, compact_when):
+    model, tokenizer = tiny
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    params = SamplingParams(n=8, max_new_tokens=8, seed=4)
+    expected = sampler.generate(encode(tokenizer, PROMPTS), params)  # the default: once they are 1/8 of it
+    monkeypatch.setattr(rl.samplers.hf, "COMPACT_WHEN", compact_when)
+    out = sampler.generate(encode(tokenizer, PROMPTS), params)
+    assert_rollout_layout(out, tokenizer)
+    assert torch.equal(out["response_ids"], expected["response_ids"]) and torch.equal(out["finished"], expected["finished"])
+    torch.testing.assert_close(out["sampler_logp"], expected["sampler_logp"], atol=1e-5, rtol=0)  # other batch shapes
+
+
 def test_seeded_and_top_k_1_is_greedy(tiny):
     model, tokenizer = tiny
     rows = encode(tokenizer, PROMPTS)
@@ -135,12 +148,12 @@ def test_sampling_draws_from_the_tempered_distribution():
     # top-k never draws outside the k most likely
     logits_B_V = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
     generator = torch.Generator().manual_seed(0)
-    token_B, logp_B = sample_next(logits_B_V, SamplingParams(temperature=1.5), generator)
+    token_B, logp_B = sample_next(logits_B_V, SamplingParams(temperature=1.5), torch.rand(20000, generator=generator))
     p_V = (logits_B_V[0] / 1.5).softmax(-1)
     freq_V = torch.bincount(token_B, minlength=5) / len(token_B)
     assert ((freq_V - p_V).abs() <= 4 * (p_V * (1 - p_V) / len(token_B)).sqrt() + 1e-6).all()
     torch.testing.assert_close(logp_B, p_V.log()[token_B])
-    top2_B, _ = sample_next(logits_B_V, SamplingParams(temperature=1.0, top_k=2), generator)
+    top2_B, _ = sample_next(logits_B_V, SamplingParams(temperature=1.0, top_k=2), torch.rand(20000, generator=generator))
     assert set(top2_B.tolist()) == {0, 1}
 
 

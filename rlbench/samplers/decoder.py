@@ -34,6 +34,9 @@ class CompactDecoder:
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cos_sin_L_2_D = torch.empty(0)  # [positions, 2, D]: built by `start`
+        # dynamic RoPE scaling rescales the tables by sequence length: rebuilt every call then
+        self.dynamic_rope = "dynamic" in getattr(model.model.rotary_emb, "rope_type", "default")
         self.refresh()
 
     @torch.no_grad()
@@ -68,12 +71,14 @@ class CompactDecoder:
         B, L = N * n, P + max_new_tokens
         device, dtype = self.embed.device, self.embed.dtype
         position_N_P = (mask_N_P.cumsum(-1) - 1).clamp(min=0)
-        # rotary tables for every position this call can reach, from the model's own rotary module; the sine
-        # carries rotate_half's sign, so that a rotation is x·cos + roll(x)·sin (see `_rope`)
-        all_positions_1_L = torch.arange(int(position_N_P.max()) + max_new_tokens + 1, device=device)[None]
-        cos, sin = self.model.model.rotary_emb(self.embed[:1], all_positions_1_L)
-        half = self.head_dim // 2
-        self.cos_sin_L_2_D = torch.stack([cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)], 1)
+        # rotary tables for every position this call can reach (kept for later calls that reach no further),
+        # from the model's own rotary module; the sine carries rotate_half's sign, so that a rotation is
+        # x·cos + roll(x)·sin (see `_rope`)
+        reach = int(position_N_P.max()) + max_new_tokens + 1
+        if len(self.cos_sin_L_2_D) < reach or self.dynamic_rope:
+            cos, sin = self.model.model.rotary_emb(self.embed[:1], torch.arange(reach, device=device)[None])
+            half = self.head_dim // 2
+            self.cos_sin_L_2_D = torch.stack([cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)], 1)
         # a padded query attends to itself so that its (unused) output stays finite
         causal_P_P = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         allowed_N_P_P = (causal_P_P & mask_N_P.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)

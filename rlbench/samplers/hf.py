@@ -19,6 +19,11 @@ from rlbench.samplers.decoder import CompactDecoder
 from rlbench.samplers.base import SamplingParams, as_tensors
 
 
+COMPACT_WHEN = 8
+"""Stopped rows leave the decoder's batch once they are at least 1/COMPACT_WHEN of it: dropping one or two
+rows copies the whole KV cache for less than it saves."""
+
+
 class HFSampler:
     """The Sampler protocol on a transformers model (any device the model is on).
 
@@ -45,27 +50,33 @@ class HFSampler:
         device = self.model.device
         ids_N_P, mask_N_P = left_pad(prompt_ids, self.pad_token_id)
         B, T = len(prompt_ids) * params.n, params.max_new_tokens
+        # a uniform number per row and position: what a row draws does not depend on the decoder's batch
         generator = torch.Generator(device=device).manual_seed(params.seed)
+        uniform_B_T = torch.rand(B, T, generator=generator, device=device)
         stop_ids = self.stop_token_ids.to(device)
 
         tokens_B_T = torch.full((B, T), self.pad_token_id, dtype=torch.long, device=device)
         logp_B_T = torch.zeros((B, T), device=device)
         response_mask_B_T = torch.zeros((B, T), dtype=torch.long, device=device)
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
-        rows_b = torch.arange(B, device=device)  # the rows still generating: the decoder holds only these
+        rows_b = torch.arange(B, device=device)  # the batch rows the decoder holds
+        done_b = torch.zeros(B, dtype=torch.bool, device=device)  # ... of which these have stopped
         logits_b_V = self.decoder.start(ids_N_P.to(device), mask_N_P.to(device), T, params.n)
         for t in range(T):
-            token_b, token_logp_b = sample_next(logits_b_V.float(), params, generator)
-            tokens_B_T[rows_b, t], logp_B_T[rows_b, t], response_mask_B_T[rows_b, t] = token_b, token_logp_b, 1
-            stopped_b = torch.isin(token_b, stop_ids)
-            done_B[rows_b[stopped_b]] = True
-            if t == T - 1 or bool(stopped_b.all()):
+            token_b, token_logp_b = sample_next(logits_b_V.float(), params, uniform_B_T[rows_b, t])
+            live_b = ~done_b  # a stopped row still in the decoder draws too; its draws are discarded
+            tokens_B_T[rows_b, t] = token_b.where(live_b, self.pad_token_id)
+            logp_B_T[rows_b, t], response_mask_B_T[rows_b, t] = token_logp_b * live_b, live_b.long()
+            done_b = done_b | torch.isin(token_b, stop_ids)
+            if t == T - 1 or bool(done_b.all()):
                 break
-            if bool(stopped_b.any()):  # drop finished rows from the decoder's batch
-                running_b = (~stopped_b).nonzero().squeeze(-1)
+            if int(done_b.sum()) * COMPACT_WHEN >= len(done_b):  # drop the stopped rows from the decoder's batch
+                running_b = (~done_b).nonzero().squeeze(-1)
                 self.decoder.keep(running_b)
-                rows_b, token_b = rows_b[running_b], token_b[running_b]
+                done_B[rows_b[done_b]] = True
+                rows_b, token_b, done_b = rows_b[running_b], token_b[running_b], done_b[running_b]
             logits_b_V = self.decoder.step(token_b)
+        done_B[rows_b[done_b]] = True
         width = t + 1
         return Batch({
             "response_ids": tokens_B_T[:, :width].cpu(),
@@ -122,8 +133,9 @@ class TransformersDecoder:
 
 
 def sample_next(logits_B_V: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its log-prob under the temperature-scaled distribution.
+                uniform_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob under the temperature-scaled distribution, drawn by inverse CDF
+    with the row's uniform number in [0, 1) (`torch.multinomial` would draw one per vocabulary entry).
 
     Greedy (temperature 0) takes the argmax and reports its log-prob at temperature 1. top-k / top-p
     restrict what can be drawn, not the reported log-prob (it is the full distribution's, which is what
@@ -144,9 +156,8 @@ def sample_next(logits_B_V: torch.Tensor, params: SamplingParams,
         drop_sorted_B_V = probs_sorted_B_V.cumsum(-1) - probs_sorted_B_V >= params.top_p
         drop_B_V = torch.zeros_like(drop_sorted_B_V).scatter(-1, order_B_V, drop_sorted_B_V)
         allowed_B_V = allowed_B_V.masked_fill(drop_B_V, float("-inf"))
-    # inverse-CDF draw: one uniform per row (torch.multinomial draws one exponential per vocabulary entry)
     cdf_B_V = allowed_B_V.softmax(-1).cumsum(-1)
-    u_B_1 = torch.rand(len(cdf_B_V), 1, generator=generator, device=cdf_B_V.device) * cdf_B_V[:, -1:]
+    u_B_1 = uniform_B[:, None] * cdf_B_V[:, -1:]
     token_B = torch.searchsorted(cdf_B_V, u_B_1, right=True).squeeze(-1).clamp(max=cdf_B_V.shape[-1] - 1)
     return token_B, _token_logp(logits_B_V, token_B)
 
