@@ -25,7 +25,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -36,8 +36,8 @@ def main():
         for mode, n, temperature in [("greedy", 1, 0.0), ("sampled", 1, 1.0), ("grpo", 8, 1.0)]:
             rows = [prompts[i % len(prompts)] for i in range(batch // n)]
             params = SamplingParams(n=n, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=0)
-            ours = tokens_per_second(lambda: sampler.generate(rows, params)["response_mask"].sum(), args.repeats)
-            theirs = tokens_per_second(lambda: _generate(model, tokenizer, rows, params), args.repeats)
+            ours, theirs = tokens_per_second([lambda: sampler.generate(rows, params)["response_mask"].sum(),
+                                              lambda: _generate(model, tokenizer, rows, params)], args.repeats)
             print(json.dumps({"bench": "sampler", "model": args.model, "threads": args.threads, "batch": batch,
                               "mode": mode, "precision": args.precision,
                               "rlbench_tokens_per_s": round(ours), "generate_tokens_per_s": round(theirs),

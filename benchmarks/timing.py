@@ -10,15 +10,19 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import rlbench as rl
 
 
-def tokens_per_second(fn, repeats: int) -> float:
-    """Median of `fn()`'s returned token count over its wall time, after one warm-up call."""
-    fn()
-    rates = []
+def tokens_per_second(fns: list, repeats: int) -> list[float]:
+    """For each function, the median of its returned token count over its wall time. They run in turns (one
+    call of each, `repeats` times, after a warm-up call each), so that a slow spell of a shared machine
+    falls on all of them alike."""
+    for fn in fns:
+        fn()
+    rates = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = int(fn())
-        rates.append(tokens / (time.perf_counter() - start))
-    return statistics.median(rates)
+        for fn, fn_rates in zip(fns, rates):
+            start = time.perf_counter()
+            tokens = int(fn())
+            fn_rates.append(tokens / (time.perf_counter() - start))
+    return [statistics.median(r) for r in rates]
 
 
 def random_qwen2(directory: str, *, hidden: int = 256, layers: int = 4, intermediate: int = 1024, heads: int = 4,

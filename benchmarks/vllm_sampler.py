@@ -46,8 +46,9 @@ def compare(name: str, model_dir: str, args) -> None:
         for mode, n, temperature in [("greedy", 1, 0.0), ("sampled", 8, 1.0)]:
             rows = [prompts[i % len(prompts)] for i in range(batch // n)]
             params = SamplingParams(n=n, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=0)
-            hf_rate = tokens_per_second(lambda: hf.generate(rows, params)["response_mask"].sum(), args.repeats)
-            vllm_rate = tokens_per_second(lambda: vllm.generate(rows, params)["response_mask"].sum(), args.repeats)
+            hf_rate, vllm_rate = tokens_per_second([lambda: hf.generate(rows, params)["response_mask"].sum(),
+                                                    lambda: vllm.generate(rows, params)["response_mask"].sum()],
+                                                   args.repeats)
             print(json.dumps({"bench": "vllm_sampler", "model": name, "parameters": parameters,
                               "threads": args.threads, "batch": batch, "mode": mode, "n": n,
                               "hf_tokens_per_s": round(hf_rate), "vllm_tokens_per_s": round(vllm_rate),
