@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import random
+import threading
 import time
 import warnings
 import weakref
@@ -292,12 +293,23 @@ class Session:
         batch = self.advantage(pending.result() if pending is not None else self._collect())
         if self.config.overlap_rollout:
             # the next batch comes from the weights before this update, sampled while it runs; a failure
-            # there surfaces when the next step asks for the batch, after this step is recorded
-            self._next = self._background.submit(self._collect)
+            # there surfaces when the next step asks for the batch, after this step is recorded. In one
+            # process, sampling starts at the update's backward: the sampler's many small ops and the
+            # forward's contend for Python's GIL (a quarter more update time), the backward runs without it.
+            start_sampling = threading.Event()
+            inline = not self.workers.ray
+            if inline:
+                self.workers.call("policy", "set_before_backward", start_sampling.set)
+            else:
+                start_sampling.set()
+            self._next = self._background.submit(lambda: start_sampling.wait() and self._collect())
             try:
                 stats = self.update(batch, sync=False)
             finally:
+                start_sampling.set()  # an update that failed before its backward
                 wait([self._next])  # the sampler takes the new weights only when idle
+                if inline:
+                    self.workers.call("policy", "set_before_backward", None)
             self.sync_weights()
         else:
             stats = self.update(batch)

@@ -86,3 +86,17 @@ def test_with_rollout_correction_old_logp_is_the_policy_and_the_weights_carry_th
     assert first["correction/weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert (batch["old_logp"] - batch["sampler_logp"])[mask].abs().max() > 1e-2
     assert (batch["correction_weights"][mask] - 1).abs().max() > 1e-2 and second["correction/weight_mean"] != 1.0
+
+
+def test_inline_the_next_rollout_starts_at_the_backward(monkeypatch):
+    # in one process the sampler's small ops and the forward's would contend for the GIL; the backward releases it
+    events = []
+    real_backward = rl.policy.fsdp.backward
+    monkeypatch.setattr(rl.policy.fsdp, "backward", lambda loss: (events.append("backward"), real_backward(loss)))
+    with rl.Session(**SMALL, seed=0, overlap_rollout=True) as s:
+        real_rollout = s.rollout
+        monkeypatch.setattr(s, "rollout", lambda: (events.append("rollout"), real_rollout())[1])
+        s.step()
+        s.step()
+        assert s.workers.hosts[0].objects["policy"].before_backward is None  # the hook is gone between steps
+    assert events == ["rollout", "backward", "rollout", "backward", "rollout"]

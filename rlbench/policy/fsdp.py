@@ -9,6 +9,7 @@ the gradient of an optimizer step does not depend on how the mini-batch was cut.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,12 @@ class Policy:
         use_precision(model, precision, device)
         self.model = shard(model, world_size, device).train()
         self.optimizer = Optimizer(self.model, optim)
+        self.before_backward: Callable[[], None] | None = None  # see `set_before_backward`
+
+    def set_before_backward(self, fn: Callable[[], None] | None) -> None:
+        """Call `fn` before each backward pass (None: nothing). An inline session starts its overlapped rollout
+        there: the backward runs without holding Python's GIL."""
+        self.before_backward = fn
 
     def log_probs(self, batch: Batch) -> torch.Tensor:
         """Log-probs `[B, T]` of the batch's responses under the current weights (no gradient)."""
@@ -70,6 +77,8 @@ class Policy:
             micro = micro.trimmed().to(self.device)
             terms = self._micro_loss(micro, algorithm, num_tokens=num_tokens, num_seqs=num_seqs,
                                      norm_length=norm_length)
+            if self.before_backward is not None:
+                self.before_backward()
             backward(terms["loss"])
             share = float(loss_mask(micro).sum()) / max(num_tokens, 1)
             for name, value in terms.items():
