@@ -286,7 +286,8 @@ class Session:
 
     # --------------------------------------------------------------------------------- the loop
     def step(self) -> dict:
-        """One RL iteration; appends and returns its row of `metrics`."""
+        """One RL iteration, `update(advantage(score(rollout())))`; appends and returns its row of `metrics`.
+        With `overlap_rollout`, the batch it trains on was rolled out and scored during the previous step."""
         self._timings, self._tokens_generated = {}, 0
         start = time.perf_counter()
         pending, self._next = self._next, None
