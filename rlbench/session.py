@@ -468,7 +468,8 @@ class Session:
         for sink in self.sinks:
             sink.resume(self.history)
         self._next = None
-        if (folder / "next_batch.pt").is_file():
+        # (restored without overlap_rollout, the batch the old weights sampled would be trained on as if fresh)
+        if self.config.overlap_rollout and (folder / "next_batch.pt").is_file():
             self._next = Future()
             self._next.set_result(Batch(**torch.load(folder / "next_batch.pt", weights_only=True)))
         if (folder / "sampler.pt").is_file():

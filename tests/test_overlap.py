@@ -100,3 +100,15 @@ def test_inline_the_next_rollout_starts_at_the_backward(monkeypatch):
         s.step()
         assert s.workers.hosts[0].objects["policy"].before_backward is None  # the hook is gone between steps
     assert events == ["rollout", "backward", "rollout", "backward", "rollout"]
+
+
+def test_restored_without_overlap_the_next_step_samples_afresh(tmp_path):
+    with rl.Session(**SMALL, seed=2, lr=1e-3, overlap_rollout=True) as s:
+        s.step()
+        folder = s.save(tmp_path)
+    assert (folder / "next_batch.pt").is_file()
+    with rl.Session.restore(folder, overlap_rollout=False) as r:
+        r.step()
+        batch = r.last_batch  # sampled by the restored weights, so on-policy: old_logp is the sampler's to float
+    mask = batch["response_mask"].bool()
+    assert (batch["old_logp"] - batch["sampler_logp"])[mask].abs().max() < 1e-4
