@@ -85,17 +85,32 @@ def test_stop_mask_and_padding(tiny):
     assert_rollout_layout(out, tokenizer)
 
 
-@pytest.mark.parametrize("compact_when", [1, 10**9])  # stopped rows leave the decoder at once / never
-def test_what_a_row_draws_does_not_depend_on_when_stopped_rows_leave(tiny, monkeypatch, compact_when):
+@pytest.mark.parametrize("decoder", [CompactDecoder, TransformersDecoder])
+def test_each_row_draws_what_it_would_draw_alone(tiny, decoder):
+    """Rows with the same context share one decoder row (the decoder branches where they draw apart): each
+    row's tokens and log-probs must still be what the model's own forward on that row's context alone gives,
+    drawn with that row's uniform number."""
     model, tokenizer = tiny
     sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    params = SamplingParams(n=8, max_new_tokens=8, seed=4)
-    expected = sampler.generate(encode(tokenizer, PROMPTS), params)  # the default: once they are 1/8 of it
-    monkeypatch.setattr(rl.samplers.hf, "COMPACT_WHEN", compact_when)
-    out = sampler.generate(encode(tokenizer, PROMPTS), params)
+    sampler.decoder = decoder(model)
+    rows, params = encode(tokenizer, PROMPTS), SamplingParams(n=8, max_new_tokens=8, seed=4)
+    out = sampler.generate(rows, params)
     assert_rollout_layout(out, tokenizer)
-    assert torch.equal(out["response_ids"], expected["response_ids"]) and torch.equal(out["finished"], expected["finished"])
-    torch.testing.assert_close(out["sampler_logp"], expected["sampler_logp"], atol=1e-5, rtol=0)  # other batch shapes
+    ids_B_T, mask_B_T = out["response_ids"], out["response_mask"].bool()
+    B, T = ids_B_T.shape
+    first_tokens = [set(ids_B_T[i : i + 8, 0].tolist()) for i in range(0, B, 8)]
+    assert any(1 < len(tokens) < 8 for tokens in first_tokens)  # some rows share a context, then branch
+    uniform_B_T = torch.rand(B, params.max_new_tokens, generator=torch.Generator().manual_seed(params.seed))
+    for b in range(B):
+        context = list(rows[b // params.n])
+        for t in range(int(mask_B_T[b].sum())):
+            with torch.no_grad():
+                logits_1_V = model(torch.tensor([context])).logits[:, -1]
+            token, logp = sample_next(logits_1_V, params, uniform_B_T[b, t : t + 1])
+            assert int(token) == int(ids_B_T[b, t]), (b, t)
+            assert abs(float(logp) - float(out["sampler_logp"][b, t])) < 1e-5, (b, t)
+            context.append(int(token))
+        assert bool(out["finished"][b]) == (context[-1] == tokenizer.eos_token_id)
 
 
 def test_seeded_and_top_k_1_is_greedy(tiny):

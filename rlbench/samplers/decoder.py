@@ -2,11 +2,12 @@
 
 At the sizes rlbench trains on a CPU, a decode step costs more in per-module Python overhead than in
 arithmetic. This path computes exactly the transformers forward (same formulas, fp32 accumulation
-in RMSNorm, the model's own rotary tables) with fused q/k/v and gate/up projections, a KV cache
-allocated once per call, an additive padding mask, and attention as plain matrix products (on a CPU,
-`scaled_dot_product_attention` costs several times the arithmetic of a one-token query), so a step is a
-few dozen tensor ops. The layer weights are transposed copies of the transformers model's (the embedding
-and LM head are shared): `refresh()` re-reads them after every weight load.
+in RMSNorm, the model's own rotary tables) with fused q/k/v and gate/up projections, a KV cache with
+one row per distinct context (see `keep`), an additive padding mask, and attention as plain matrix
+products (on a CPU, `scaled_dot_product_attention` costs several times the arithmetic of a one-token
+query), so a step is a few dozen tensor ops. The layer weights are transposed copies of the
+transformers model's (the embedding and LM head are shared): `refresh()` re-reads them after every
+weight load.
 """
 
 from __future__ import annotations
@@ -64,11 +65,10 @@ class CompactDecoder:
             ))
 
     @torch.no_grad()
-    def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int, n: int = 1) -> torch.Tensor:
-        """Prefill N left-padded prompts once each, then give each prompt `n` rows (prompt-major, B = N·n);
-        returns the logits `[B, V]` of the first new token."""
+    def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Prefill N left-padded prompts, one decoder row each; returns the logits `[N, V]` of the first new token."""
         N, P = ids_N_P.shape
-        B, L = N * n, P + max_new_tokens
+        L = P + max_new_tokens
         device, dtype = self.embed.device, self.embed.dtype
         position_N_P = (mask_N_P.cumsum(-1) - 1).clamp(min=0)
         # rotary tables for every position this call can reach (kept for later calls that reach no further),
@@ -82,37 +82,34 @@ class CompactDecoder:
         # a padded query attends to itself so that its (unused) output stays finite
         causal_P_P = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         allowed_N_P_P = (causal_P_P & mask_N_P.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-        prompt_K = torch.empty(len(self.layers), N, self.kv_heads, P, self.head_dim, device=device, dtype=dtype)
-        prompt_V = torch.empty_like(prompt_K)
-        logits_N_V = self._forward(ids_N_P, position_N_P, _additive(allowed_N_P_P, dtype), prompt_K, prompt_V, 0,
-                                   last_only=True)[:, -1]
-        # B rows of L positions; a row's positions past `self.length` are never read, so they start unset
-        self.cache_K = torch.empty(len(self.layers), B, self.kv_heads, L, self.head_dim, device=device, dtype=dtype)
+        # N rows of L positions; a row's positions past `self.length` are never read, so they start unset
+        self.cache_K = torch.empty(len(self.layers), N, self.kv_heads, L, self.head_dim, device=device, dtype=dtype)
         self.cache_V = torch.empty_like(self.cache_K)
-        for cache, prompt in [(self.cache_K, prompt_K), (self.cache_V, prompt_V)]:  # each prompt into its n rows
-            cache.view(len(self.layers), N, n, self.kv_heads, L, self.head_dim)[..., :P, :] = prompt[:, :, None]
+        logits_N_V = self._forward(ids_N_P, position_N_P, _additive(allowed_N_P_P, dtype), self.cache_K,
+                                   self.cache_V, 0, last_only=True)[:, -1]
         # generated positions are all attended to: only the prompts' padding is masked
-        self.bias_B_L = torch.zeros(B, L, device=device, dtype=dtype)
-        self.bias_B_L[:, :P] = _additive(mask_N_P.bool(), dtype).repeat_interleave(n, 0)
-        self.length, self.position_B = P, position_N_P[:, -1].repeat_interleave(n, 0)
-        return logits_N_V.repeat_interleave(n, 0)
+        self.bias_N_L = torch.zeros(N, L, device=device, dtype=dtype)
+        self.bias_N_L[:, :P] = _additive(mask_N_P.bool(), dtype)
+        self.length, self.position_N = P, position_N_P[:, -1]
+        return logits_N_V
 
-    def keep(self, rows_b: torch.Tensor) -> None:
-        """Go on with these rows of the batch only (finished rows cost nothing more)."""
+    def keep(self, rows_c: torch.Tensor) -> None:
+        """Go on with these rows of the batch, in this order; a row listed k times is copied k times (a
+        context that branches), one left out costs nothing more."""
         for name in ["cache_K", "cache_V"]:  # only the written positions are copied
             cache = getattr(self, name)
-            kept = cache.new_empty(cache.shape[0], len(rows_b), *cache.shape[2:])
-            torch.index_select(cache[..., : self.length, :], 1, rows_b, out=kept[..., : self.length, :])
+            kept = cache.new_empty(cache.shape[0], len(rows_c), *cache.shape[2:])
+            torch.index_select(cache[..., : self.length, :], 1, rows_c, out=kept[..., : self.length, :])
             setattr(self, name, kept)
-        self.bias_B_L, self.position_B = self.bias_B_L[rows_b], self.position_B[rows_b]
+        self.bias_N_L, self.position_N = self.bias_N_L[rows_c], self.position_N[rows_c]
 
     @torch.no_grad()
-    def step(self, token_B: torch.Tensor) -> torch.Tensor:
-        """Append one token per row; returns the logits `[B, V]` of the next one."""
+    def step(self, token_N: torch.Tensor) -> torch.Tensor:
+        """Append one token per row; returns the logits `[N, V]` of the next one."""
         t = self.length
-        self.position_B = self.position_B + 1
+        self.position_N = self.position_N + 1
         self.length = t + 1
-        return self._forward(token_B[:, None], self.position_B[:, None], self.bias_B_L[:, None, : t + 1],
+        return self._forward(token_N[:, None], self.position_N[:, None], self.bias_N_L[:, None, : t + 1],
                              self.cache_K, self.cache_V, t)[:, -1]
 
     def _forward(self, ids_B_S, position_B_S, bias_B_S_L, cache_K, cache_V, start: int,

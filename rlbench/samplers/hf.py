@@ -1,7 +1,10 @@
-"""A batched decode loop over a transformers causal LM with a KV cache.
+"""A batched decode loop over a transformers causal LM with a KV cache, sharing what the rows share.
 
-Prefill the left-padded prompts once, then one forward per new token over the last token only. Rows
-that emitted a stop token keep producing pad (masked out) until every row is done or the budget ends.
+Prefill each prompt once, then one forward per new token over the last token only. The decoder's batch
+holds one row per distinct context, not per sample: the n samples of a prompt share its prompt, and
+samples that drew the same tokens so far share their next-token logits (each still draws with its own
+random number), so a confident policy decodes few rows. A row that draws a stop token leaves; the rest
+are padding (masked out).
 """
 
 from __future__ import annotations
@@ -17,11 +20,6 @@ from rlbench.batch import Batch, left_pad
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
 from rlbench.samplers.base import SamplingParams, as_tensors
-
-
-COMPACT_WHEN = 8
-"""Stopped rows leave the decoder's batch once they are at least 1/COMPACT_WHEN of it: dropping one or two
-rows copies the whole KV cache for less than it saves."""
 
 
 class HFSampler:
@@ -57,32 +55,33 @@ class HFSampler:
 
         tokens_B_T = torch.full((B, T), self.pad_token_id, dtype=torch.long, device=device)
         logp_B_T = torch.zeros((B, T), device=device)
-        response_mask_B_T = torch.zeros((B, T), dtype=torch.long, device=device)
-        done_B = torch.zeros(B, dtype=torch.bool, device=device)
-        rows_b = torch.arange(B, device=device)  # the batch rows the decoder holds
-        done_b = torch.zeros(B, dtype=torch.bool, device=device)  # ... of which these have stopped
-        logits_b_V = self.decoder.start(ids_N_P.to(device), mask_N_P.to(device), T, params.n)
+        rows_b = torch.arange(B, device=device)  # the rows still drawing ...
+        context_b = rows_b // params.n  # ... and the decoder row that holds each one's context
+        logits_c_V = self.decoder.start(ids_N_P.to(device), mask_N_P.to(device), T)
+        V = logits_c_V.shape[-1]
         for t in range(T):
-            token_b, token_logp_b = sample_next(logits_b_V.float(), params, uniform_B_T[rows_b, t])
-            live_b = ~done_b  # a stopped row still in the decoder draws too; its draws are discarded
-            tokens_B_T[rows_b, t] = token_b.where(live_b, self.pad_token_id)
-            logp_B_T[rows_b, t], response_mask_B_T[rows_b, t] = token_logp_b * live_b, live_b.long()
-            done_b = done_b | torch.isin(token_b, stop_ids)
-            if t == T - 1 or bool(done_b.all()):
+            token_b, token_logp_b = sample_next(logits_c_V[context_b].float(), params, uniform_B_T[rows_b, t])
+            tokens_B_T[rows_b, t], logp_B_T[rows_b, t] = token_b, token_logp_b
+            running_b = ~torch.isin(token_b, stop_ids)
+            if t == T - 1 or not bool(running_b.any()):
                 break
-            if int(done_b.sum()) * COMPACT_WHEN >= len(done_b):  # drop the stopped rows from the decoder's batch
-                running_b = (~done_b).nonzero().squeeze(-1)
-                self.decoder.keep(running_b)
-                done_B[rows_b[done_b]] = True
-                rows_b, token_b, done_b = rows_b[running_b], token_b[running_b], done_b[running_b]
-            logits_b_V = self.decoder.step(token_b)
-        done_B[rows_b[done_b]] = True
-        width = t + 1
+            rows_b, context_b, token_b = rows_b[running_b], context_b[running_b], token_b[running_b]
+            # the next contexts: one decoder row per distinct (context, token); a context that drew k distinct
+            # tokens is copied k times, one that only drew stop tokens is dropped
+            next_c, context_b = torch.unique(context_b * V + token_b, return_inverse=True)
+            self.decoder.keep(next_c // V)
+            logits_c_V = self.decoder.step(next_c % V)
+        return self._responses(tokens_B_T[:, : t + 1], logp_B_T[:, : t + 1], stop_ids)
+
+    def _responses(self, tokens_B_T: torch.Tensor, logp_B_T: torch.Tensor, stop_ids: torch.Tensor) -> Batch:
+        """The Batch of what each row drew up to and including its first stop token (pad and 0 after it)."""
+        stop_B_T = torch.isin(tokens_B_T, stop_ids)
+        mask_B_T = (stop_B_T.cumsum(-1) - stop_B_T.long()) == 0  # no stop token before
         return Batch({
-            "response_ids": tokens_B_T[:, :width].cpu(),
-            "response_mask": response_mask_B_T[:, :width].cpu(),
-            "sampler_logp": logp_B_T[:, :width].cpu(),
-            "finished": done_B.cpu(),
+            "response_ids": tokens_B_T.where(mask_B_T, self.pad_token_id).cpu(),
+            "response_mask": mask_B_T.long().cpu(),
+            "sampler_logp": (logp_B_T * mask_B_T).cpu(),
+            "finished": (stop_B_T & mask_B_T).any(-1).cpu(),
         })
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -107,28 +106,25 @@ class TransformersDecoder:
     def refresh(self) -> None:
         """Nothing to re-read: the forward uses the model's parameters directly."""
 
-    def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int, n: int = 1) -> torch.Tensor:
-        """Prefill each prompt once, then repeat its cache row `n` times (see `CompactDecoder.start`)."""
+    def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Prefill the prompts (see `CompactDecoder.start`)."""
         self.cache = DynamicCache()
         position_N_P = (mask_N_P.cumsum(-1) - 1).clamp(min=0)
         logits_N_V = self.model(input_ids=ids_N_P, attention_mask=mask_N_P, position_ids=position_N_P,
                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        if n > 1:
-            self.cache.batch_repeat_interleave(n)
-        self.attention_B_L = mask_N_P.repeat_interleave(n, 0)
-        self.position_B = position_N_P[:, -1].repeat_interleave(n, 0)
-        return logits_N_V.repeat_interleave(n, 0)
+        self.attention_N_L, self.position_N = mask_N_P, position_N_P[:, -1]
+        return logits_N_V
 
-    def keep(self, rows_b: torch.Tensor) -> None:
-        """Go on with these rows of the batch only."""
-        self.cache.batch_select_indices(rows_b)
-        self.attention_B_L, self.position_B = self.attention_B_L[rows_b], self.position_B[rows_b]
+    def keep(self, rows_c: torch.Tensor) -> None:
+        """Go on with these rows of the batch (see `CompactDecoder.keep`)."""
+        self.cache.batch_select_indices(rows_c)
+        self.attention_N_L, self.position_N = self.attention_N_L[rows_c], self.position_N[rows_c]
 
-    def step(self, token_B: torch.Tensor) -> torch.Tensor:
-        self.attention_B_L = torch.cat([self.attention_B_L, self.attention_B_L.new_ones(len(token_B), 1)], dim=1)
-        self.position_B = self.position_B + 1
-        return self.model(input_ids=token_B[:, None], attention_mask=self.attention_B_L,
-                          position_ids=self.position_B[:, None], past_key_values=self.cache,
+    def step(self, token_N: torch.Tensor) -> torch.Tensor:
+        self.attention_N_L = torch.cat([self.attention_N_L, self.attention_N_L.new_ones(len(token_N), 1)], dim=1)
+        self.position_N = self.position_N + 1
+        return self.model(input_ids=token_N[:, None], attention_mask=self.attention_N_L,
+                          position_ids=self.position_N[:, None], past_key_values=self.cache,
                           use_cache=True).logits[:, -1]
 
 
@@ -144,7 +140,9 @@ def sample_next(logits_B_V: torch.Tensor, params: SamplingParams,
     if params.greedy:
         token_B = logits_B_V.argmax(-1)
         return token_B, _token_logp(logits_B_V, token_B)
-    logits_B_V = logits_B_V / params.temperature
+    if params.temperature != 1.0:
+        logits_B_V = logits_B_V / params.temperature
+    logz_B_1 = logits_B_V.logsumexp(-1, keepdim=True)
     allowed_B_V = logits_B_V
     if params.top_k > 0 and params.top_k < logits_B_V.shape[-1]:
         kth_B_1 = logits_B_V.topk(params.top_k, dim=-1).values[:, -1:]
@@ -156,10 +154,11 @@ def sample_next(logits_B_V: torch.Tensor, params: SamplingParams,
         drop_sorted_B_V = probs_sorted_B_V.cumsum(-1) - probs_sorted_B_V >= params.top_p
         drop_B_V = torch.zeros_like(drop_sorted_B_V).scatter(-1, order_B_V, drop_sorted_B_V)
         allowed_B_V = allowed_B_V.masked_fill(drop_B_V, float("-inf"))
-    cdf_B_V = allowed_B_V.softmax(-1).cumsum(-1)
+    # unnormalised where top-k / top-p removed mass: u is scaled by the total
+    cdf_B_V = (allowed_B_V - logz_B_1).exp_().cumsum(-1)
     u_B_1 = uniform_B[:, None] * cdf_B_V[:, -1:]
     token_B = torch.searchsorted(cdf_B_V, u_B_1, right=True).squeeze(-1).clamp(max=cdf_B_V.shape[-1] - 1)
-    return token_B, _token_logp(logits_B_V, token_B)
+    return token_B, logits_B_V.gather(-1, token_B[:, None]).squeeze(-1) - logz_B_1.squeeze(-1)
 
 
 def _token_logp(logits_B_V: torch.Tensor, token_B: torch.Tensor) -> torch.Tensor:
