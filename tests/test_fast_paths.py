@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import rlbench as rl
+from rlbench.batch import Batch, left_pad
 from rlbench.policy import Policy, response_outputs
+from rlbench.policy.forward import _prefix_tree
 from rlbench.policy.training import OptimSettings
 from rlbench.samplers import HFSampler, SamplingParams
 
@@ -59,15 +61,48 @@ def test_bf16_precision_stays_close_to_fp32(tiny_dir, rollout):
     assert out["sampler_logp"].dtype == torch.float32 and out["response_mask"].sum() > 0
 
 
+def padded_forward(model, batch):
+    """Each row's own forward (prompt and response, padded): the outputs that predict its response tokens."""
+    ids_B_L = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
+    mask_B_L = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
+    P, T = batch["prompt_ids"].shape[1], batch["response_ids"].shape[1]
+    with torch.no_grad():
+        return model(input_ids=ids_B_L, attention_mask=mask_B_L,
+                     position_ids=(mask_B_L.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1 : P + T - 1]
+
+
 def test_shared_prompt_packing_equals_the_padded_forward(tiny, rollout):
     # 4 groups of 4 samples: each prompt runs once, every response token sees its prompt and its own prefix
     model, _ = tiny
-    ids_B_L = torch.cat([rollout["prompt_ids"], rollout["response_ids"]], dim=1)
-    mask_B_L = torch.cat([rollout["prompt_mask"], rollout["response_mask"]], dim=1)
-    P, T = rollout["prompt_ids"].shape[1], rollout["response_ids"].shape[1]
     with torch.no_grad():
-        padded = model(input_ids=ids_B_L, attention_mask=mask_B_L,
-                       position_ids=(mask_B_L.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1 : P + T - 1]
         packed = response_outputs(model, rollout)
     valid = rollout["response_mask"].bool()
-    torch.testing.assert_close(packed[valid], padded[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed[valid], padded_forward(model, rollout)[valid], atol=1e-5, rtol=0)
+
+
+def test_shared_response_prefixes_run_once_and_equal_the_padded_forward(tiny):
+    model, tokenizer = tiny
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    # (prompt, response) rows; "$" is EOS. Group 0's prefixes: 4 46 46$ 47 47$ 5 56 56$ (a row that ends
+    # inside another's prefix shares it); group 1's: 1 12 12$; the prompt of group 0 again, not next to
+    # it, is a group of its own: 4 46 46$
+    rows = [("12+34=", r) for r in ["46$", "46$", "4", "47$", "56$", "4"]] + [("7+5=", "12$"), ("7+5=", "1"),
+                                                                             ("12+34=", "46$")]
+    prompts = [encode(p) for p, _ in rows]
+    responses = [encode(r.rstrip("$")) + [eos] * r.endswith("$") for _, r in rows]
+    prompt_ids, prompt_mask = left_pad(prompts, pad)
+    T = max(map(len, responses))
+    response_ids = torch.tensor([r + [pad] * (T - len(r)) for r in responses])
+    response_mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in responses])
+    batch = Batch(dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                       response_mask=response_mask))
+    group_B = torch.tensor([0] * 6 + [1] * 2 + [2])
+    tree = _prefix_tree(group_B, response_ids, response_mask.bool(), 3)
+    assert tree.nodes_G.tolist() == [8, 3, 3]  # 14 token slots for the 21 response tokens
+    assert tree.node_B_T[0].tolist() == tree.node_B_T[1].tolist()  # identical rows: the same slots
+    assert tree.node_B_T[2, 0] == tree.node_B_T[0, 0] == tree.node_B_T[3, 0] != tree.node_B_T[4, 0]
+    with torch.no_grad():
+        packed = response_outputs(model, batch)
+    valid = response_mask.bool()
+    torch.testing.assert_close(packed[valid], padded_forward(model, batch)[valid], atol=1e-5, rtol=0)

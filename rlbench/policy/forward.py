@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -15,29 +17,35 @@ PACK_WIDTH = 64
 def response_outputs(model, batch: Batch) -> torch.Tensor:
     """The model's outputs at the positions that predict each response token, `[B, T, F]` in fp32.
 
-    No compute goes to padding, nor to a prompt more than once: consecutive rows with the same prompt (a
-    group of samples) are laid out as the prompt's real tokens once, then each row's real response tokens,
-    and groups are packed back to back into rows of about `PACK_WIDTH` tokens (see there). A 4D mask
-    lets a prompt token attend to the prompt causally and a response token to its prompt and, causally, to
-    its own response; position ids are those each row had in the sampler (the prompt's real tokens count
-    from 0, the response continues). So every response token sees exactly the context it had unpacked (the
-    same math; the shared prompt's gradient is the sum over its samples). For a causal LM F is the
-    vocabulary (logits); for a critic's value head F is 1 (the value of the state before each token).
-    Outputs past a row's last response token are those of other positions: mask them.
+    No compute goes to padding, nor to any context more than once. Consecutive rows with the same prompt
+    (a group of samples) share the prompt, and samples that begin with the same tokens share those tokens:
+    a group is laid out as its prompt's real tokens once, then the tree of its distinct response prefixes
+    (one slot per prefix, in depth-first order). Groups are packed back to back into rows of about
+    `PACK_WIDTH` tokens (see there). A token attends to its prompt causally and to the prefix it ends, so
+    every response token sees exactly the context it had unpacked (the same math; a shared token's
+    gradient is the sum over the samples that share it); position ids are those each token had in the
+    sampler. For a causal LM F is the vocabulary (logits); for a critic's value head F is 1 (the value of
+    the state before each token). Outputs past a row's last response token are those of other positions:
+    mask them.
     """
-    ids_N, position_N, allowed_R_W_W, slot_B_T = _pack_groups(batch)
-    R, W, _ = allowed_R_W_W.shape
+    ids_N, position_N, span_R_W, predictor_B_T = _pack_groups(batch)
+    R, W = span_R_W.shape
+    # in depth-first order a slot's descendants (and, for a prompt token, the rest of its group) directly
+    # follow it: slot j is visible from the span_j slots that start at j
+    column_W = torch.arange(W, device=ids_N.device)
+    allowed_R_W_W = (column_W[None, None, :] <= column_W[None, :, None]) & (
+        column_W[None, :, None] < (column_W + span_R_W)[:, None, :])
     bias_R_1_W_W = torch.zeros((R, 1, W, W), device=ids_N.device).masked_fill_(
         ~allowed_R_W_W[:, None], torch.finfo(torch.float32).min)
     out_R_W_F = model(input_ids=ids_N.view(R, W), position_ids=position_N.view(R, W), attention_mask=bias_R_1_W_W,
                       use_cache=False).logits
-    return out_R_W_F.flatten(0, 1)[slot_B_T].float()
+    return out_R_W_F.flatten(0, 1)[predictor_B_T].float()
 
 
 def _pack_groups(batch: Batch):
-    """The shared-prompt layout of `response_outputs`: token ids and position ids `[N]` (N = R·W slots),
-    which slot may attend to which `[R, W, W]`, and the slot whose output predicts each response token
-    `[B, T]`. Padding slots hold token 0 and attend only to themselves."""
+    """The shared-prefix layout of `response_outputs`: token ids and position ids `[N]` (N = R·W slots),
+    how many slots from each one on may attend to it `[R, W]`, and the slot whose output predicts each
+    response token `[B, T]`. Padding slots hold token 0 and attend only to themselves."""
     prompt_ids_B_P, prompt_mask_B_P = batch["prompt_ids"], batch["prompt_mask"].bool()
     response_ids_B_T, response_mask_B_T = batch["response_ids"], batch["response_mask"].bool()
     (B, T), device = response_ids_B_T.shape, response_ids_B_T.device
@@ -45,10 +53,10 @@ def _pack_groups(batch: Batch):
     new_group_B[1:] = ((prompt_ids_B_P[1:] != prompt_ids_B_P[:-1]) | (prompt_mask_B_P[1:] != prompt_mask_B_P[:-1])).any(-1)
     group_B = new_group_B.cumsum(0) - 1
     first_G = new_group_B.nonzero().squeeze(-1)  # each group's first row
-    prompt_len_B, response_len_B = prompt_mask_B_P.sum(-1), response_mask_B_T.sum(-1)
-    before_B = response_len_B.cumsum(0) - response_len_B
-    within_B = before_B - before_B[first_G][group_B]  # response tokens of earlier rows of the same group
-    group_len_G = prompt_len_B[first_G] + torch.zeros_like(first_G).index_add_(0, group_B, response_len_B)
+    G = len(first_G)
+    prompt_len_G = prompt_mask_B_P[first_G].sum(-1)
+    tree = _prefix_tree(group_B, response_ids_B_T, response_mask_B_T, G)
+    group_len_G = prompt_len_G + tree.nodes_G
     longest = int(group_len_G.max())
     W = longest * -(-PACK_WIDTH // longest)
     offsets, row, used = [], 0, 0  # groups back to back, a group never split across rows
@@ -60,33 +68,84 @@ def _pack_groups(batch: Batch):
     offset_G = torch.tensor(offsets, device=device)
     N = (row + 1) * W
     ids_N, position_N = (torch.zeros(N, dtype=torch.long, device=device) for _ in range(2))
-    group_N, segment_N = (-1 - torch.arange(N, device=device) for _ in range(2))  # padding: its own group
-    is_prompt_N = torch.zeros(N, dtype=torch.bool, device=device)
-    # each group's prompt, once: segment B + g
+    span_N = torch.ones(N, dtype=torch.long, device=device)
+    # each group's prompt, once; a prompt token is visible from the rest of its group
     prompt_mask_G_P = prompt_mask_B_P[first_G]
     position_G_P = prompt_mask_G_P.cumsum(-1) - 1
-    slots = (offset_G[:, None] + position_G_P)[prompt_mask_G_P]
-    g_G_P = torch.arange(len(first_G), device=device)[:, None].expand_as(position_G_P)
+    slot_G_P = offset_G[:, None] + position_G_P
+    slots = slot_G_P[prompt_mask_G_P]
     ids_N[slots] = prompt_ids_B_P[first_G][prompt_mask_G_P]
     position_N[slots] = position_G_P[prompt_mask_G_P]
-    group_N[slots], segment_N[slots], is_prompt_N[slots] = g_G_P[prompt_mask_G_P], B + g_G_P[prompt_mask_G_P], True
-    # each row's response after its group's prompt and the earlier rows' responses: segment = the row
-    t_1_T = torch.arange(T, device=device)[None]
-    slot_B_T = (offset_G[group_B] + prompt_len_B + within_B)[:, None] + t_1_T
-    slots = slot_B_T[response_mask_B_T]
-    ids_N[slots] = response_ids_B_T[response_mask_B_T]
-    position_N[slots] = (prompt_len_B[:, None] + t_1_T).expand(B, T)[response_mask_B_T]
-    group_N[slots] = group_B[:, None].expand(B, T)[response_mask_B_T]
-    segment_N[slots] = torch.arange(B, device=device)[:, None].expand(B, T)[response_mask_B_T]
-    # same group, not later, and the same segment or a prompt token
-    group_R_W, segment_R_W, is_prompt_R_W = group_N.view(-1, W), segment_N.view(-1, W), is_prompt_N.view(-1, W)
-    allowed_R_W_W = ((group_R_W[:, :, None] == group_R_W[:, None, :])
-                     & torch.ones(W, W, dtype=torch.bool, device=device).tril()
-                     & ((segment_R_W[:, :, None] == segment_R_W[:, None, :]) | is_prompt_R_W[:, None, :]))
-    # response token 0 is predicted by the group's last prompt token, token t by the row's token t-1
-    last_prompt_B = offset_G[group_B] + prompt_len_B - 1
-    predictor_B_T = torch.cat([last_prompt_B[:, None], slot_B_T[:, :-1]], dim=1).clamp(max=N - 1)
-    return ids_N, position_N, allowed_R_W_W, predictor_B_T
+    span_N[slots] = ((offset_G + group_len_G)[:, None] - slot_G_P)[prompt_mask_G_P]
+    # then its response prefixes in depth-first order; a prefix is visible from its subtree
+    slot_M = offset_G[tree.group_M] + prompt_len_G[tree.group_M] + tree.preorder_M
+    ids_N[slot_M], span_N[slot_M] = tree.token_M, tree.size_M
+    position_N[slot_M] = prompt_len_G[tree.group_M] + tree.depth_M
+    # response token 0 is predicted by the group's last prompt token, token t by the prefix of its first t
+    slot_B_T = slot_M[tree.node_B_T.clamp(min=0)]
+    last_prompt_B = (offset_G + prompt_len_G - 1)[group_B]
+    predictor_B_T = torch.cat([last_prompt_B[:, None], slot_B_T[:, :-1]], dim=1)
+    return ids_N, position_N, span_N.view(-1, W), predictor_B_T
+
+
+@dataclass
+class PrefixTree:
+    """The distinct response prefixes of each group of a batch: node M is one prefix, ending in `token_M`."""
+    node_B_T: torch.Tensor
+    """The node of row b's first t+1 response tokens (-1 past the row's end)."""
+    token_M: torch.Tensor
+    depth_M: torch.Tensor
+    """Its length - 1."""
+    group_M: torch.Tensor
+    size_M: torch.Tensor
+    """Nodes in its subtree, itself included."""
+    preorder_M: torch.Tensor
+    """Its position in a depth-first walk of its group's tree (children in token order)."""
+    nodes_G: torch.Tensor
+    """Nodes per group."""
+
+
+def _prefix_tree(group_B: torch.Tensor, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor, groups: int) -> PrefixTree:
+    """The prefix tree of each group's responses (a group's rows are consecutive; masks are left-aligned)."""
+    B, T = ids_B_T.shape
+    device = ids_B_T.device
+    V = int(ids_B_T.max()) + 1 if ids_B_T.numel() else 1
+    node_B_T = torch.full((B, T), -1, dtype=torch.long, device=device)
+    parents, tokens = [], []  # per depth, each node's parent (an index into the previous depth; the group at 0)
+    parent_B, first = group_B, 0
+    for t in range(T):
+        rows_b = mask_B_T[:, t].nonzero().squeeze(-1)
+        if not len(rows_b):
+            break
+        key_u, node_b = torch.unique(parent_B[rows_b] * V + ids_B_T[rows_b, t], return_inverse=True)
+        parents.append(key_u // V)
+        tokens.append(key_u % V)
+        node_B_T[rows_b, t] = first + node_b
+        parent_B = node_B_T[:, t] - first
+        first += len(key_u)
+    # subtree sizes, deepest first
+    sizes = [torch.ones(len(parent_u), dtype=torch.long, device=device) for parent_u in parents]
+    for t in range(len(parents) - 1, 0, -1):
+        sizes[t - 1].index_add_(0, parents[t], sizes[t])
+    # depth-first positions: a node follows its parent, after its earlier siblings' subtrees (siblings are
+    # consecutive, in token order: `unique` sorts by parent, then token)
+    preorder_u, group_u = torch.full((groups,), -1, device=device), torch.arange(groups, device=device)
+    preorders, node_groups = [], []
+    for parent_u, size_u in zip(parents, sizes):
+        before_u = size_u.cumsum(0) - size_u
+        first_child_u = torch.ones(len(parent_u), dtype=torch.bool, device=device)
+        first_child_u[1:] = parent_u[1:] != parent_u[:-1]
+        siblings_before_u = before_u - before_u[first_child_u][first_child_u.cumsum(0) - 1]
+        preorder_u, group_u = preorder_u[parent_u] + 1 + siblings_before_u, group_u[parent_u]
+        preorders.append(preorder_u)
+        node_groups.append(group_u)
+    if not parents:  # no response tokens at all
+        parents = tokens = sizes = preorders = node_groups = [torch.zeros(0, dtype=torch.long, device=device)]
+    group_M = torch.cat(node_groups)
+    return PrefixTree(node_B_T=node_B_T, token_M=torch.cat(tokens),
+                      depth_M=torch.cat([torch.full_like(p, t) for t, p in enumerate(parents)]),
+                      group_M=group_M, size_M=torch.cat(sizes), preorder_M=torch.cat(preorders),
+                      nodes_G=torch.bincount(group_M, minlength=groups))
 
 
 def response_logits(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
