@@ -156,6 +156,10 @@ def test_load_weights_changes_what_is_sampled(tiny_dir, tiny):
     assert not (back["response_ids"] == seven).all()
     with pytest.raises(ValueError, match="unexpected"):
         sampler.load_weights(state | {"not.a.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        sampler.load_weights({k: v for k, v in state.items() if k != "model.norm.weight"})
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(3,\), not \(192,\)"):
+        sampler.load_weights(state | {"model.norm.weight": torch.ones(3)})
 
 
 def test_sampling_draws_from_the_tempered_distribution():
