@@ -6,7 +6,7 @@ import torch
 import rlbench as rl
 from rlbench.batch import Batch, left_pad
 from rlbench.policy import Policy, response_outputs
-from rlbench.policy.forward import _prefix_tree
+from rlbench.policy.forward import _pack, _prefix_tree
 from rlbench.policy.training import OptimSettings
 from rlbench.samplers import HFSampler, SamplingParams
 
@@ -106,3 +106,9 @@ def test_shared_response_prefixes_run_once_and_equal_the_padded_forward(tiny):
         packed = response_outputs(model, batch)
     valid = response_mask.bool()
     torch.testing.assert_close(packed[valid], padded_forward(model, batch)[valid], atol=1e-5, rtol=0)
+
+
+def test_groups_are_packed_longest_first_into_the_fewest_slots():
+    # widths 9, 18, 27, ...: 9 takes 3 rows (27 slots: [9] [9] [5 4]), 27 one row of 27: the narrower wins
+    assert _pack([5, 9, 4, 9]) == ([18, 0, 23, 9], 3, 9)
+    assert _pack([6, 4, 4, 4]) == ([0, 6, 10, 14], 1, 18)  # 6 and 12 take 24 slots, 18 exactly 18

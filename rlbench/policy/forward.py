@@ -11,7 +11,7 @@ from rlbench.batch import Batch
 
 
 PACK_WIDTH = 64
-"""Packed rows are a whole number of the longest prompt group's lengths, at least this many tokens."""
+"""Packed rows are a whole number of the longest group's length, up to twice this many tokens (see `_pack`)."""
 
 
 def response_outputs(model, batch: Batch) -> torch.Tensor:
@@ -57,16 +57,9 @@ def _pack_groups(batch: Batch):
     prompt_len_G = prompt_mask_B_P[first_G].sum(-1)
     tree = _prefix_tree(group_B, response_ids_B_T, response_mask_B_T, G)
     group_len_G = prompt_len_G + tree.nodes_G
-    longest = int(group_len_G.max())
-    W = longest * -(-PACK_WIDTH // longest)
-    offsets, row, used = [], 0, 0  # groups back to back, a group never split across rows
-    for n in group_len_G.tolist():
-        if used + n > W:
-            row, used = row + 1, 0
-        offsets.append(row * W + used)
-        used += n
+    offsets, rows, W = _pack(group_len_G.tolist())
     offset_G = torch.tensor(offsets, device=device)
-    N = (row + 1) * W
+    N = rows * W
     ids_N, position_N = (torch.zeros(N, dtype=torch.long, device=device) for _ in range(2))
     span_N = torch.ones(N, dtype=torch.long, device=device)
     # each group's prompt, once; a prompt token is visible from the rest of its group
@@ -86,6 +79,24 @@ def _pack_groups(batch: Batch):
     last_prompt_B = (offset_G + prompt_len_G - 1)[group_B]
     predictor_B_T = torch.cat([last_prompt_B[:, None], slot_B_T[:, :-1]], dim=1)
     return ids_N, position_N, span_N.view(-1, W), predictor_B_T
+
+
+def _pack(lengths: list[int]) -> tuple[list[int], int, int]:
+    """Where each group starts (row · W + column), the number of rows and their width W: groups longest
+    first, each into the first row with room (never split). W is the multiple of the longest group, up to
+    2 · PACK_WIDTH, that leaves the fewest slots (the narrower on a tie: attention grows with W²)."""
+    longest = max(lengths)
+    best = None
+    for W in range(longest, max(longest, 2 * PACK_WIDTH) + 1, longest):
+        used, offsets = [], [0] * len(lengths)
+        for g in sorted(range(len(lengths)), key=lambda g: -lengths[g]):
+            row = next((r for r, u in enumerate(used) if u + lengths[g] <= W), len(used))
+            if row == len(used):
+                used.append(0)
+            offsets[g], used[row] = row * W + used[row], used[row] + lengths[g]
+        if best is None or len(used) * W < best[1] * best[2]:
+            best = (offsets, len(used), W)
+    return best
 
 
 @dataclass
