@@ -222,10 +222,6 @@ def _cat_padded(tensors: list[torch.Tensor], *, left: bool) -> torch.Tensor:
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged token-id lists -> (`ids [B, L]` left-padded with pad_id, `mask [B, L]` 1 on real tokens)."""
     width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row) :] = torch.as_tensor(row, dtype=torch.long)
-            mask[i, width - len(row) :] = 1
-    return ids, mask
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return ids.view(len(rows), width), mask.view(len(rows), width)  # view: 0 rows give [0, 0]

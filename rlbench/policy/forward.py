@@ -162,7 +162,7 @@ def _prefix_tree(group_B: torch.Tensor, ids_B_T: torch.Tensor, mask_B_T: torch.T
 def response_logits(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
     """Logits `[B, T, V]` of each response token, scaled by 1/temperature (temperature 0, greedy: unscaled)."""
     logits_B_T_V = response_outputs(model, batch)
-    return logits_B_T_V / temperature if temperature > 0 else logits_B_T_V
+    return logits_B_T_V / temperature if temperature not in (0, 1) else logits_B_T_V
 
 
 def token_logp(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
