@@ -43,16 +43,22 @@ class HFSampler:
         model, tokenizer = models.load(model_dir, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
         return cls(model.to(device), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
-    @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
+        stop_ids = self.stop_token_ids.to(self.model.device)
+        # inference mode costs a tenth less per op than no_grad; its tensors are cloned into ordinary ones
+        with torch.inference_mode():
+            tokens_B_T, logp_B_T = self._decode(prompt_ids, params, stop_ids)
+        return self._responses(tokens_B_T.clone(), logp_B_T.clone(), stop_ids)
+
+    def _decode(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
+                stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each row drew and its log-prob, `[B, steps]` (after a row's stop token: more draws, or pad)."""
         device = self.model.device
         ids_N_P, mask_N_P = left_pad(prompt_ids, self.pad_token_id)
         B, T = len(prompt_ids) * params.n, params.max_new_tokens
         # a uniform number per row and position: what a row draws does not depend on the decoder's batch
         generator = torch.Generator(device=device).manual_seed(params.seed)
         uniform_B_T = torch.rand(B, T, generator=generator, device=device)
-        stop_ids = self.stop_token_ids.to(device)
-
         tokens_B_T = torch.full((B, T), self.pad_token_id, dtype=torch.long, device=device)
         logp_B_T = torch.zeros((B, T), device=device)
         rows_b = torch.arange(B, device=device)  # the rows still drawing ...
@@ -71,7 +77,7 @@ class HFSampler:
             next_c, context_b = torch.unique(context_b * V + token_b, return_inverse=True)
             self.decoder.keep(next_c // V)
             logits_c_V = self.decoder.step(next_c % V)
-        return self._responses(tokens_B_T[:, : t + 1], logp_B_T[:, : t + 1], stop_ids)
+        return tokens_B_T[:, : t + 1], logp_B_T[:, : t + 1]
 
     def _responses(self, tokens_B_T: torch.Tensor, logp_B_T: torch.Tensor, stop_ids: torch.Tensor) -> Batch:
         """The Batch of what each row drew up to and including its first stop token (pad and 0 after it)."""
