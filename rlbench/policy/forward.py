@@ -75,9 +75,9 @@ def _pack_groups(batch: Batch):
     ids_N[slot_M], span_N[slot_M] = tree.token_M, tree.size_M
     position_N[slot_M] = prompt_len_G[tree.group_M] + tree.depth_M
     # response token 0 is predicted by the group's last prompt token, token t by the prefix of its first t
-    slot_B_T = slot_M[tree.node_B_T.clamp(min=0)]
-    last_prompt_B = (offset_G + prompt_len_G - 1)[group_B]
-    predictor_B_T = torch.cat([last_prompt_B[:, None], slot_B_T[:, :-1]], dim=1)
+    predictor_B_T = (offset_G + prompt_len_G - 1)[group_B][:, None].repeat(1, T)  # past a row's end: any slot
+    after_B_T = tree.node_B_T[:, :-1] >= 0
+    predictor_B_T[:, 1:][after_B_T] = slot_M[tree.node_B_T[:, :-1][after_B_T]]
     return ids_N, position_N, span_N.view(-1, W), predictor_B_T
 
 
