@@ -112,3 +112,11 @@ def test_groups_are_packed_longest_first_into_the_fewest_slots():
     # widths 9, 18, 27, ...: 9 takes 3 rows (27 slots: [9] [9] [5 4]), 27 one row of 27: the narrower wins
     assert _pack([5, 9, 4, 9]) == ([18, 0, 23, 9], 3, 9)
     assert _pack([6, 4, 4, 4]) == ([0, 6, 10, 14], 1, 18)  # 6 and 12 take 24 slots, 18 exactly 18
+
+
+def test_a_response_mask_with_a_gap_is_refused(tiny, rollout):
+    model, _ = tiny
+    mask = rollout["response_mask"].clone()
+    mask[5, 0] = 0
+    with pytest.raises(ValueError, match="response_mask of row 5 has a 0 before a 1"):
+        response_outputs(model, rollout.with_columns(response_mask=mask))

@@ -49,6 +49,10 @@ def _pack_groups(batch: Batch):
     prompt_ids_B_P, prompt_mask_B_P = batch["prompt_ids"], batch["prompt_mask"].bool()
     response_ids_B_T, response_mask_B_T = batch["response_ids"], batch["response_mask"].bool()
     (B, T), device = response_ids_B_T.shape, response_ids_B_T.device
+    gap_B = (response_mask_B_T[:, 1:] & ~response_mask_B_T[:, :-1]).any(-1)
+    if gap_B.any():
+        raise ValueError(f"response_mask of row {int(gap_B.nonzero()[0])} has a 0 before a 1: a response is "
+                         f"its first tokens (mask out tokens from the loss with loss_mask)")
     new_group_B = torch.ones(B, dtype=torch.bool, device=device)
     new_group_B[1:] = ((prompt_ids_B_P[1:] != prompt_ids_B_P[:-1]) | (prompt_mask_B_P[1:] != prompt_mask_B_P[:-1])).any(-1)
     group_B = new_group_B.cumsum(0) - 1
