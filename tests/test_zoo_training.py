@@ -56,6 +56,6 @@ def test_preset_raises_heldout_accuracy(tiny_dir, preset):
     s = rl.Session(model="tiny-arith", task="arithmetic", algorithm=preset, cluster="inline", seed=0,
                    prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, lr=1e-4, threads=1)
     before = s.evaluate()["greedy_accuracy"]
-    s.run(steps=80, progress=False)
+    s.run(steps=120, progress=False)  # at 80, rloo gained 0.035 with seed 0 and 0.095-0.155 with seeds 1-6
     after = s.evaluate()["greedy_accuracy"]
-    assert after >= before + 0.05, f"{preset}: greedy accuracy {before:.3f} -> {after:.3f}"
+    assert after >= before + 0.1, f"{preset}: greedy accuracy {before:.3f} -> {after:.3f}"
