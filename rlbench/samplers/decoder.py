@@ -6,8 +6,7 @@ in RMSNorm, the model's own rotary tables) with fused q/k/v and gate/up projecti
 one row per distinct context (see `keep`), an additive padding mask, and attention as plain matrix
 products (on a CPU, `scaled_dot_product_attention` costs several times the arithmetic of a one-token
 query), so a step is a few dozen tensor ops. The layer weights are transposed copies of the
-transformers model's (the embedding and LM head are shared): `refresh()` re-reads them after every
-weight load.
+transformers model's (the embedding and LM head are shared), re-read after every weight load (`refresh`).
 """
 
 from __future__ import annotations
@@ -40,9 +39,14 @@ class CompactDecoder:
         self.dynamic_rope = "dynamic" in getattr(model.model.rotary_emb, "rope_type", "default")
         self.refresh()
 
-    @torch.no_grad()
     def refresh(self) -> None:
-        """Re-read (and fuse) the model's current weights."""
+        """The model's weights changed: re-read them at the next `start` (under `overlap_rollout`, that is in
+        the background, while the update runs)."""
+        self.layers = None
+
+    @torch.no_grad()
+    def _read_weights(self) -> None:
+        """Fuse and transpose the model's current weights."""
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.final_norm = (inner.norm.weight, inner.norm.variance_epsilon)
@@ -67,6 +71,8 @@ class CompactDecoder:
     @torch.no_grad()
     def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Prefill N left-padded prompts, one decoder row each; returns the logits `[N, V]` of the first new token."""
+        if self.layers is None:
+            self._read_weights()
         N, P = ids_N_P.shape
         L = P + max_new_tokens
         device, dtype = self.embed.device, self.embed.dtype

@@ -35,7 +35,6 @@ class HFSampler:
         self.pad_token_id = pad_token_id
         self.stop_token_ids = torch.tensor(sorted({eos_token_id, *stop_token_ids}), dtype=torch.long)
         self.decoder = CompactDecoder(model) if decoder.supports(model) else TransformersDecoder(model)
-        self.decoder_stale = False  # the model's weights changed since the decoder read them
 
     @classmethod
     def from_pretrained(cls, model_dir: str, device: str = "cpu", precision: str = "fp32") -> HFSampler:
@@ -46,9 +45,6 @@ class HFSampler:
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
         stop_ids = self.stop_token_ids.to(self.model.device)
-        if self.decoder_stale:
-            self.decoder.refresh()
-            self.decoder_stale = False
         # inference mode costs a tenth less per op than no_grad; its tensors are cloned into ordinary ones
         with torch.inference_mode():
             tokens_B_T, logp_B_T = self._decode(prompt_ids, params, stop_ids)
@@ -102,8 +98,7 @@ class HFSampler:
     def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
         """Copy a full state dict (tensors, or numpy arrays such as read-only views from Ray's object store),
         cast to the sampler's dtype, tensor by tensor into the model's own (`load_state_dict` walks the
-        modules: a fifth of a tiny model's sync). The decoder re-reads them at the next `generate`: with
-        `overlap_rollout`, in the background, while the update runs."""
+        modules: a fifth of a tiny model's sync)."""
         state, own = as_tensors(state_dict), self.model.state_dict()  # own: views of the model's tensors
         tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
         missing, unexpected = sorted(own.keys() - state.keys() - tied), sorted(state.keys() - own.keys())
@@ -115,7 +110,7 @@ class HFSampler:
                                  f"not {tuple(own[name].shape)}")
         for name, tensor in state.items():
             own[name].copy_(tensor)
-        self.decoder_stale = True
+        self.decoder.refresh()
 
 
 class TransformersDecoder:
