@@ -20,10 +20,12 @@ from transformers.utils import logging as hf_logging
 
 from rlbench.models import tiny_arith, tiny_mix
 from rlbench.models.arithmetic_data import arithmetic_split
+from rlbench.models.checks import check_fits, check_tokenizer_files, check_weights, dropout_fields
 from rlbench.models.tiny_arith import build_tiny_model
 from rlbench.models.tokenizer import build_tokenizer
 
-__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "from_pretrained", "load", "load_tokenizer", "names", "quiet_transformers", "resolve"]
+__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "check_fits", "dropout_fields", "from_pretrained",
+           "load", "load_tokenizer", "names", "quiet_transformers", "resolve"]
 
 _BUILTINS: dict[str, Callable[[int], Path]] = {tiny_arith.NAME: tiny_arith.ensure_built,
                                                 tiny_mix.NAME: tiny_mix.ensure_built}
@@ -64,6 +66,7 @@ def load(
 def load_tokenizer(model: str | os.PathLike, *, seed: int = 0) -> PreTrainedTokenizerBase:
     """The tokenizer of a built-in name or local HF model directory; it must have EOS and pad tokens."""
     path = resolve(model, seed=seed)
+    check_tokenizer_files(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     for token in ("eos", "pad"):
         if getattr(tokenizer, f"{token}_token_id") is None:
@@ -74,7 +77,10 @@ def load_tokenizer(model: str | os.PathLike, *, seed: int = 0) -> PreTrainedToke
 
 
 def from_pretrained(auto_class, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **kwargs):
-    """`auto_class.from_pretrained` from local files only, without transformers' per-tensor progress bar."""
+    """`auto_class.from_pretrained` from local files only, without transformers' per-tensor progress bar.
+
+    A folder without weights, or with a truncated or corrupt safetensors file, is a ValueError naming it."""
+    check_weights(path)
     with quiet_transformers():  # e.g. a critic's value head is new by design: no load report
         return auto_class.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
 
