@@ -1,12 +1,18 @@
 """Saving and loading a worker's training state: sharded weights and optimizer state through
 torch.distributed.checkpoint (each rank writes its own shards; a different world size can load them),
 plus each rank's scheduler and RNG state, and the export of full weights as a Hugging Face model folder.
+A checkpoint that cannot be read or written raises `CheckpointError`, naming the folder and the cause.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import os
+import pickle
+import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,32 +26,47 @@ from rlbench import models
 from rlbench.policy.training import Optimizer, full_state_dict
 
 
-def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer | None = None) -> None:
-    """Write `model`'s (and `optimizer`'s) state under `path`; every rank of the model's group calls it.
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that cannot be written or read; the message names the folder and the first
+    underlying error, which is kept as `__cause__` (torch's own `CheckpointException` derives from
+    BaseException, which `except Exception` misses)."""
+
+
+def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer | None = None, *,
+         rank: int = 0) -> None:
+    """Write `model`'s (and `optimizer`'s) state under `path`; every rank of the model's group calls it,
+    passing its `rank` (one rank alone has no process group).
 
     An optimizer that has not stepped yet has no state to save (and asking torch for it would create
-    some by a zero step, changing the run): then only its scheduler is kept.
+    some by a zero step, changing the run): then only its scheduler is kept. OSError (ENOSPC) before
+    writing when the disk has less free than the state's size; CheckpointError when writing fails.
     """
+    path = Path(path)
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None and optimizer.adamw.state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer.adamw)
-    dcp.save(state, checkpoint_id=str(path))
+    _check_space(path, _nbytes(state), rank)
     local = {"rng": torch.get_rng_state(), "has_optimizer_state": "optimizer" in state}
     if optimizer is not None:
         local["scheduler"] = optimizer.scheduler.state_dict()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         local["cuda_rng"] = torch.cuda.get_rng_state()
-    torch.save(local, Path(path) / f"rank{dist.get_rank()}.pt")
+    with _torch_io("write", path):
+        dcp.save(state, checkpoint_id=str(path))
+        torch.save(local, path / f"rank{rank}.pt")
 
 
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer | None = None) -> None:
-    """Load what `save` wrote under `path` into `model` (and `optimizer`), resharded to this world size."""
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer | None = None, *,
+         rank: int = 0) -> None:
+    """Load what `save` wrote under `path` into `model` (and `optimizer`), resharded to this world size;
+    CheckpointError when the folder cannot be read."""
     path = Path(path)
-    local = torch.load(path / f"rank{_saved_rank(path)}.pt", weights_only=True)
     state = {"model": get_model_state_dict(model)}
-    if optimizer is not None and local["has_optimizer_state"]:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer.adamw)
-    dcp.load(state, checkpoint_id=str(path))
+    with _torch_io("read", path):
+        local = torch.load(path / f"rank{_saved_rank(path, rank)}.pt", weights_only=True)
+        if optimizer is not None and local["has_optimizer_state"]:
+            state["optimizer"] = get_optimizer_state_dict(model, optimizer.adamw)
+        dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer.adamw, state["optimizer"])
@@ -56,10 +77,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer |
         torch.cuda.set_rng_state(local["cuda_rng"])
 
 
-def export(path: str | os.PathLike, model: torch.nn.Module) -> None:
+def export(path: str | os.PathLike, model: torch.nn.Module, *, rank: int = 0, world_size: int = 1) -> None:
     """Write `model`'s full weights as a Hugging Face model folder (config and safetensors) on rank 0;
     every rank calls it. The folder loads with `AutoModelForCausalLM.from_pretrained` and with vLLM."""
-    state = full_state_dict(model)
+    state = full_state_dict(model, rank, world_size)
     if state is None:
         return
     with torch.device("meta"):
@@ -73,8 +94,51 @@ def export(path: str | os.PathLike, model: torch.nn.Module) -> None:
         plain.save_pretrained(path)
 
 
-def _saved_rank(path: Path) -> int:
+def _saved_rank(path: Path, rank: int) -> int:
     """This rank's local state file, or rank 0's when the checkpoint was written by fewer ranks (every
     rank's scheduler is the same; RNG streams then continue from rank 0's)."""
-    rank = dist.get_rank()
     return rank if (path / f"rank{rank}.pt").is_file() else 0
+
+
+@contextmanager
+def _torch_io(action: str, path: Path):
+    """Around torch's reading or writing of the checkpoint `path`: its errors are raised as one CheckpointError,
+    and dcp's warning that it assumes a single process is silenced (one rank makes no process group)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is .*uninitialized")
+            yield
+    except (dcp.CheckpointException, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointError(f"cannot {action} the checkpoint {path}: {_first_cause(error)}") from error
+
+
+def _first_cause(error: BaseException) -> str:
+    """The type and first sentence of the error, or for dcp's CheckpointException of the lowest rank's error."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        error = error.failures[min(error.failures)][0]
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0].split('. ')[0] if lines else ''}"
+
+
+def _check_space(path: Path, needed: int, rank: int) -> None:
+    """OSError (ENOSPC) on every rank when the disk holding `path` has less than `needed` bytes free. Rank 0
+    measures and tells the others, so that all ranks agree and none is left waiting inside dcp.save."""
+    measured = [(shutil.disk_usage(next(p for p in [path, *path.parents] if p.exists())).free, needed)
+                if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(measured, src=0)
+    free, needed = measured[0]
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"not enough disk space to save the checkpoint {path}: {free / 2**20:.1f} MiB "
+                                    f"free, the model's state needs about {needed / 2**20:.1f} MiB")
+
+
+def _nbytes(tree) -> int:
+    """The bytes of all tensors in nested dicts and lists (a sharded tensor counts whole: all ranks' shards)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_nbytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_nbytes(value) for value in tree)
+    return 0
