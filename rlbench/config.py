@@ -6,7 +6,14 @@ size says its unit in its name. `Config.check()` rejects nonsense before any wor
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import math
+import textwrap
+import types
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,49 +151,66 @@ class Config:
     """What a failing reward does: "raise" stops the step naming the sample; "zero" scores it 0 and records why."""
 
     def check(self) -> Config:
-        """Raise ValueError, naming the field, for any value that cannot work; return self."""
-        positive = ["world_size", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
-                    "mini_batches_per_step", "epochs_per_step", "micro_batch_tokens", "eval_samples",
-                    "lr_decay_steps"]
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        """Raise ValueError for any value that cannot work, naming the field, the value and what the field
+        accepts: a type other than its hint's (an int is a float here, a bool is not an int), a NaN or an
+        infinity, a number out of range, an unknown name, or fields that do not fit together; return self."""
+        for name, hint in typing.get_type_hints(Config).items():
+            problem = mismatch(getattr(self, name), hint)
+            if problem:
+                raise ValueError(f"{name}: {problem}")
+        self._check_numbers()
+        self._check_names()
+        self._check_together()
+        return self
+
+    def _check_numbers(self) -> None:
+        """Each number finite and in its field's range (a None, where the hint allows it, passes)."""
+        for name in ["world_size", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "mini_batches_per_step",
+                     "epochs_per_step", "micro_batch_tokens", "eval_samples", "lr_decay_steps", "reward_workers"]:
+            self._require(name, lambda v: v > 0, "a positive integer")
         for name in ["lr_warmup_steps", "top_k", "threads", "save_every", "keep_last", "max_skipped_updates"]:
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
-        if self.critic_lr is not None and not self.critic_lr > 0:
-            raise ValueError(f"critic_lr must be > 0 (or None for lr), got {self.critic_lr!r}")
+            self._require(name, lambda v: v >= 0, "an integer >= 0")
+        for name in ["max_prompt_tokens", "vllm_kv_cache_bytes", "vllm_max_model_len"]:
+            self._require(name, lambda v: v > 0, "an integer > 0 or None")
+        self._require("seed", lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
+        self._require("lr", lambda v: v > 0, "a finite float > 0")
+        self._require("critic_lr", lambda v: v > 0, "a finite float > 0 (or None for lr)")
+        self._require("cpus_per_worker", lambda v: v > 0, "a finite float > 0")
+        self._require("reward_timeout_s", lambda v: v > 0, "a finite float > 0 or None (no limit)")
+        for name in ["weight_decay", "grad_clip"]:
+            self._require(name, lambda v: v >= 0, "a finite float >= 0")
+        self._require("temperature", lambda v: v >= 0, "a finite float >= 0 (0 = greedy)")
+        self._require("top_p", lambda v: 0 < v <= 1, "a float in (0, 1]")
+        self._require("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "a float in (0, 1] or None")
+        self._require("betas", lambda v: all(0 <= b < 1 for b in v), "a pair of floats in [0, 1)")
+
+    def _require(self, name: str, ok: Callable[[Any], bool], accepts: str) -> None:
+        """The field's value is None, or finite (every element of a pair) and `ok`; else a ValueError."""
+        value = getattr(self, name)
+        numbers = value if isinstance(value, (list, tuple)) else [value]
+        finite = all(not isinstance(n, float) or math.isfinite(n) for n in numbers)
+        if value is not None and not (finite and ok(value)):
+            raise ValueError(f"{name} must be {accepts}, got {value!r}")
+
+    def _check_names(self) -> None:
+        """Each name among its field's choices."""
+        if not (type(self.cluster).__name__ == "Ray" or self.cluster in ("inline", "ray")):
+            raise ValueError(f"cluster={self.cluster!r} is not one of: 'inline', 'ray', rl.Ray(address=...)")
+        _choice("placement", self.placement, ["colocated", "separate"])
+        _choice("precision", self.precision, ["fp32", "bf16"])
+        _choice("device", self.device, ["auto", "cpu", "cuda"])
+        _choice("lr_schedule", self.lr_schedule, ["constant", "linear", "cosine"])
+        _choice("long_prompts", self.long_prompts, ["error", "drop"])
+        _choice("on_reward_error", self.on_reward_error, ["raise", "zero"])
+
+    def _check_together(self) -> None:
+        """Fields that each pass on their own but not together."""
         if self.save_every and self.save_dir is None and self.log_dir is None:
             raise ValueError("save_every needs a place for checkpoints: set save_dir (or log_dir)")
         if self.tensorboard and self.log_dir is None:
             raise ValueError("tensorboard=True writes its event files under log_dir: set log_dir")
-        _choice("long_prompts", self.long_prompts, ["error", "drop"])
-        if self.reward_workers <= 0:
-            raise ValueError(f"reward_workers must be a positive integer, got {self.reward_workers!r}")
-        for name in ["max_prompt_tokens", "reward_timeout_s", "vllm_kv_cache_bytes", "vllm_max_model_len"]:
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0")
-        if not (type(self.cluster).__name__ == "Ray" or self.cluster in ("inline", "ray")):
-            raise ValueError(f"cluster={self.cluster!r} is not one of: 'inline', 'ray', rl.Ray(address=...)")
         if self.cluster == "inline" and self.world_size > 1:
             raise ValueError(f"world_size={self.world_size} needs cluster='ray' (inline runs one rank)")
-        _choice("placement", self.placement, ["colocated", "separate"])
-        _choice("precision", self.precision, ["fp32", "bf16"])
-        _choice("device", self.device, ["auto", "cpu", "cuda"])
-        if not self.cpus_per_worker > 0:
-            raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
-        _choice("lr_schedule", self.lr_schedule, ["constant", "linear", "cosine"])
-        _choice("on_reward_error", self.on_reward_error, ["raise", "zero"])
         longest = (self.max_prompt_tokens or 1) + self.max_new_tokens
         if self.micro_batch_tokens < longest:
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one sequence of up to {longest} "
@@ -207,7 +231,6 @@ class Config:
                 f"mini_batches_per_step={self.mini_batches_per_step} does not divide the step's "
                 f"{rows} samples (prompts_per_step x samples_per_prompt)"
             )
-        return self
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -241,6 +264,18 @@ class Config:
     def fields(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
+    @classmethod
+    def docs(cls) -> dict[str, str]:
+        """{field: its docstring}, in field order: the string literal under each field in the class body
+        (Python keeps no such docstring at run time, so it is read from the source)."""
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        found = {}
+        for statement, following in zip(body, body[1:]):
+            if (isinstance(statement, ast.AnnAssign) and isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+                found[statement.target.id] = inspect.cleandoc(following.value.value)
+        return {name: found.get(name, "") for name in cls.fields()}
+
 
 def _choice(name: str, value, valid: list[str]) -> None:
     if value not in valid:
@@ -248,9 +283,53 @@ def _choice(name: str, value, valid: list[str]) -> None:
 
 
 def make_config(**kwargs) -> Config:
-    """A checked Config from keyword arguments; unknown keys are named with the valid ones."""
+    """A checked Config from keyword arguments; unknown keys are named with the valid ones (TypeError), a
+    value that cannot work with its field (ValueError, from `Config.check`)."""
     unknown = sorted(set(kwargs) - set(Config.fields()))
     if unknown:
         raise TypeError(f"unknown Session argument(s) {unknown}; valid: {', '.join(Config.fields())}")
     return Config(**kwargs).check()
 
+
+
+def mismatch(value, hint) -> str | None:
+    """None where `value` fits the type hint; otherwise what was expected and what was given, e.g.
+    "expected float, got 'fast' (str)"."""
+    if conforms(value, hint):
+        return None
+    return f"expected {type_name(hint)}, got {value!r} ({type(value).__name__})"
+
+
+def conforms(value, hint) -> bool:
+    """Whether a plain value (a Python or TOML value) fits a type hint: an int fits float, a bool fits no
+    number, a list fits a tuple of its length, a dict a mapping, and a callable is given by its registered
+    name (the form a TOML file can hold)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(conforms(value, h) for h in args)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and len(value) == len(args) and all(map(conforms, value, args))
+    if hint in (dict, Mapping) or origin in (dict, Mapping):
+        return isinstance(value, dict)
+    if hint is Callable or origin is Callable:
+        return isinstance(value, str)
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
+def type_name(hint) -> str:
+    """A type hint as an error message names it: "float", "str or none", "tuple[float, float]", "a table"."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(type_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "none"
+    if hint is Callable or typing.get_origin(hint) is Callable:
+        return "a registered name (str)"
+    if hint in (dict, Mapping) or typing.get_origin(hint) in (dict, Mapping):
+        return "a table"
+    return getattr(hint, "__name__", str(hint)) if typing.get_origin(hint) is None else str(hint)

@@ -33,15 +33,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlbench import algorithms, tasks
-from rlbench.config import Config, make_config
+from rlbench.config import Config, make_config, mismatch
 
 try:
     import tomllib
@@ -248,8 +247,9 @@ def _check_keys(prefix: str, table: dict, accepted: Mapping[str, Any]) -> None:
         if key not in accepted:
             raise RecipeError(f"{prefix}{key}: unknown key; accepted: {', '.join(accepted)}")
         hint = accepted[key]
-        if not _conforms(value, hint):
-            raise RecipeError(f"{prefix}{key}: expected {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+        problem = mismatch(value, hint)
+        if problem:
+            raise RecipeError(f"{prefix}{key}: {problem}")
         if isinstance(value, int) and not isinstance(value, bool) and not _takes_int(hint):
             table[key] = float(value)
         elif isinstance(value, list) and typing.get_origin(hint) is tuple:
@@ -263,38 +263,6 @@ def _check_choice(key: str, value, valid) -> None:
 
 def _takes_int(hint) -> bool:
     return hint is Any or hint is int or int in typing.get_args(hint)
-
-
-def _conforms(value, hint) -> bool:
-    """Whether a TOML value fits a type hint (a callable is given by its registered name)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_conforms(value, h) for h in args)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is tuple:
-        return isinstance(value, (list, tuple)) and len(value) == len(args) and all(map(_conforms, value, args))
-    if hint in (dict, Mapping) or origin in (dict, Mapping):
-        return isinstance(value, dict)
-    if hint is Callable or origin is Callable:
-        return isinstance(value, str)
-    return isinstance(hint, type) and isinstance(value, hint)
-
-
-def _type_name(hint) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return "none"
-    if hint is Callable or typing.get_origin(hint) is Callable:
-        return "a registered name (str)"
-    if hint in (dict, Mapping) or typing.get_origin(hint) in (dict, Mapping):
-        return "a table"
-    return getattr(hint, "__name__", str(hint)) if typing.get_origin(hint) is None else str(hint)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def test_arithmetic_recipe_target_is_measured_and_honest():
 @pytest.mark.parametrize("override, message", [
     ("session.lrr=1", "session.lrr: unknown key; accepted: model, task, algorithm"),
     ("session.lr=fast", "session.lr: expected float, got 'fast' (str)"),
-    ("session.lr=-1", "session.lr: lr must be > 0, got -1.0"),
+    ("session.lr=-1", "session.lr: lr must be a finite float > 0, got -1.0"),
     ("session.lr_schedule=cos", "session.lr_schedule: lr_schedule='cos' is not one of: 'constant', 'linear', 'cosine'"),
     ("session.prompts_per_step=2.5", "session.prompts_per_step: expected int, got 2.5 (float)"),
     ("session.betas=[0.9]", "session.betas: expected tuple[float, float], got [0.9] (list)"),
