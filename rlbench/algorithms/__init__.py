@@ -21,6 +21,9 @@ from .core import (
     AdaptiveKL,
     aggregate,
     entropy_from_logits,
+    outcome_rewards,
+    ratio,
+    token_logp,
     kl,
     kl_in_reward,
     masked_mean,
@@ -30,6 +33,8 @@ from .core import (
 )
 from .correction import RolloutCorrection, mismatch_metrics
 from .registry import (
+    ADVANTAGE_DATA,
+    LOSS_DATA,
     Algorithm,
     advantage_fn,
     describe,
@@ -45,6 +50,8 @@ from .registry import (
 from .sampling import filter_groups, overlong_penalty
 
 __all__ = [
+    "ADVANTAGE_DATA",
+    "LOSS_DATA",
     "KL_KINDS",
     "REDUCTIONS",
     "AdaptiveKL",
@@ -66,10 +73,13 @@ __all__ = [
     "masked_whiten",
     "mismatch_metrics",
     "names",
+    "outcome_rewards",
     "overlong_penalty",
+    "ratio",
     "register_advantage",
     "register_algorithm",
     "register_loss",
+    "token_logp",
     "value_loss",
 ]
 

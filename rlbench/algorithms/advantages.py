@@ -1,7 +1,8 @@
 """Advantage estimators (ALGORITHMS.md §1), registered by name.
 
-Every estimator has the signature ``f(rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None,
-old_logp_B_T=None, **hparams) -> (advantages_B_T, returns_B_T)``. Rewards are token-level: an outcome score
+Every estimator has the signature ``f(rewards_B_T, mask_B_T, *, <data keywords it uses>, **hparams) ->
+(advantages_B_T, returns_B_T)``; it declares only the data it reads (``registry.DATA_KEYWORDS``: ``group_ids``,
+``values_B_T``, ``baselines_B``, ``old_logp_B_T``, ``reward_components_B_K``) and receives only those. Rewards are token-level: an outcome score
 sits on the last valid token, so ``s_i = rewards_B_T.sum(-1)``. ``group_ids`` (``[B]``, any integers) marks
 the samples of one prompt. Outputs are 0 on invalid tokens; outcome estimators return the advantages as
 returns (verl's convention).
@@ -50,10 +51,7 @@ def _returns_to_go(rewards_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: flo
 
 
 @register_advantage("grpo")
-def grpo(
-    rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, old_logp_B_T=None,
-    norm_by_std: bool = True, epsilon: float = 1e-6,
-):
+def grpo(rewards_B_T, mask_B_T, *, group_ids, norm_by_std: bool = True, epsilon: float = 1e-6):
     """GRPO: the score normalised within its prompt group.
 
         A_i = (s_i - mean_g) / (std_g + ε)      std unbiased; a group of one: mean 0, std 1
@@ -67,7 +65,7 @@ def grpo(
 
 
 @register_advantage("rloo")
-def rloo(rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, old_logp_B_T=None):
+def rloo(rewards_B_T, mask_B_T, *, group_ids):
     """RLOO: leave-one-out group baseline.
 
         A_i = s_i - mean_{j≠i in g} s_j = n/(n-1)·(s_i - mean_g)      a group of one: A_i = s_i
@@ -82,9 +80,7 @@ def rloo(rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None,
 
 
 @register_advantage("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline(
-    rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, old_logp_B_T=None
-):
+def reinforce_plus_plus_baseline(rewards_B_T, mask_B_T, *, group_ids):
     """REINFORCE++ with group baseline: group-mean baseline, then whitening over the whole batch.
 
         a_i = s_i - mean_g;   A = masked_whiten(a_i·m, m)·m
@@ -100,10 +96,7 @@ def reinforce_plus_plus_baseline(
 
 
 @register_advantage("reinforce_plus_plus")
-def reinforce_plus_plus(
-    rewards_B_T, mask_B_T, *, group_ids=None, values_B_T=None, baselines_B=None, old_logp_B_T=None,
-    gamma: float = 1.0,
-):
+def reinforce_plus_plus(rewards_B_T, mask_B_T, *, gamma: float = 1.0):
     """REINFORCE++: discounted token returns, whitened over the batch (no critic, no group).
 
         G_t = r_t + γ G_{t+1} (masked tokens carry G and store 0);   A = masked_whiten(G, m)·m
@@ -116,7 +109,7 @@ def reinforce_plus_plus(
 
 
 @register_advantage("remax")
-def remax(rewards_B_T, mask_B_T, *, group_ids=None, values_B_T=None, baselines_B=None, old_logp_B_T=None):
+def remax(rewards_B_T, mask_B_T, *, baselines_B=None):
     """ReMax: reward-to-go minus the reward of a greedy rollout of the same prompt.
 
         A_t = G_t - b_i on valid tokens,   G_t = Σ_{t'≥t} r_t',   b_i = score of the greedy response
@@ -131,7 +124,7 @@ def remax(rewards_B_T, mask_B_T, *, group_ids=None, values_B_T=None, baselines_B
 
 
 @register_advantage("gpg")
-def gpg(rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, old_logp_B_T=None):
+def gpg(rewards_B_T, mask_B_T, *, group_ids):
     """GPG: group-mean baseline, rescaled by the share of samples with a non-zero score.
 
         A_i = α·(s_i - mean_g),   α = B / max(#{i: s_i ≠ 0}, 1)
@@ -147,7 +140,7 @@ def gpg(rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, 
 
 
 @register_advantage("opo")
-def opo(rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, old_logp_B_T=None):
+def opo(rewards_B_T, mask_B_T, *, group_ids):
     """OPO: the optimal baseline, a length-weighted group mean.
 
         A_i = s_i - Σ_j |y_j| s_j / Σ_j |y_j|,   |y| = Σ_t m      a group of one: A_i = s_i
@@ -165,10 +158,7 @@ def opo(rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, 
 
 
 @register_advantage("grpo_passk")
-def grpo_passk(
-    rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, old_logp_B_T=None,
-    norm_by_std: bool = True, epsilon: float = 1e-6,
-):
+def grpo_passk(rewards_B_T, mask_B_T, *, group_ids, norm_by_std: bool = True, epsilon: float = 1e-6):
     """Pass@k GRPO: only the best sample of each group is reinforced, by its margin over the runner-up.
 
         A_best = (s_max - s_second) / (std_g + ε)   (no division with norm_by_std=False);  others 0
@@ -192,10 +182,7 @@ def grpo_passk(
 
 
 @register_advantage("gae")
-def gae(
-    rewards_B_T, mask_B_T, *, group_ids=None, values_B_T=None, baselines_B=None, old_logp_B_T=None,
-    gamma: float = 1.0, lam: float = 1.0,
-):
+def gae(rewards_B_T, mask_B_T, *, values_B_T=None, gamma: float = 1.0, lam: float = 1.0):
     """GAE with a learned critic, whitened over the batch.
 
         δ_t = r_t + γ V_{t+1} - V_t,   Â_t = δ_t + γλ Â_{t+1}   (masked tokens skipped: they carry V and Â)
@@ -221,8 +208,7 @@ def gae(
 
 @register_advantage("gdpo")
 def gdpo(
-    rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, old_logp_B_T=None,
-    reward_components_B_K=None, component_weights=None, norm_by_std: bool = True, epsilon: float = 1e-6,
+    rewards_B_T, mask_B_T, *, group_ids, reward_components_B_K=None, component_weights=None, norm_by_std: bool = True, epsilon: float = 1e-6,
 ):
     """GDPO: GRPO-normalise each reward component separately, sum with weights, whiten over the batch.
 

@@ -1,4 +1,5 @@
-"""Shared tensor math: masked statistics, the loss reduction, KL estimators, entropy, the critic loss.
+"""Shared tensor math: masked statistics, token log-probs and ratios, outcome rewards, the loss reduction,
+KL estimators, entropy, the critic loss.
 
 Notation (ALGORITHMS.md): ``B`` responses, ``T`` response tokens, ``mask_B_T`` is 1 on tokens the policy
 generated. Every function here is pure and works on any device and float dtype.
@@ -12,6 +13,25 @@ import torch
 
 REDUCTIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+")
+
+
+def token_logp(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[id]`` per token, without materialising the whole log-softmax (the one
+    definition the sampler and the trainer share: their log-probs then agree by construction)."""
+    return logits_B_T_V.gather(-1, ids_B_T[..., None]).squeeze(-1) - logits_B_T_V.logsumexp(-1)
+
+
+def ratio(logp_B_T: torch.Tensor, old_logp_B_T: torch.Tensor, max_log_ratio: float = 20.0) -> torch.Tensor:
+    """The importance ratio ``r = exp(clamp(logp - old_logp, ±max_log_ratio))`` (the clamp keeps it finite)."""
+    return torch.exp(torch.clamp(logp_B_T - old_logp_B_T, -max_log_ratio, max_log_ratio))
+
+
+def outcome_rewards(reward_B: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
+    """Token-level rewards ``[B, T]``: each sample's score on its last valid token, 0 elsewhere."""
+    rewards_B_T = torch.zeros(mask_B_T.shape, dtype=torch.float32, device=mask_B_T.device)
+    last_B = (mask_B_T.sum(-1).long() - 1).clamp(min=0)
+    rewards_B_T[torch.arange(len(reward_B)), last_B] = reward_B.float()
+    return rewards_B_T * mask_B_T
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

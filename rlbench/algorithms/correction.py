@@ -34,20 +34,23 @@ def log_ratio(
 def mismatch_metrics(
     old_logp_B_T: torch.Tensor, sampler_logp_B_T: torch.Tensor, mask_B_T: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """How far the sampler is from the trainer; a broken weight sync shows up here first.
+    """How far the sampler is from the trainer on the sampled tokens; a broken weight sync shows here first.
 
-    ``abs_logp_diff`` = mean |Δlogp|; ``kl`` = k1 and ``kl_k3`` = k3 estimates of KL(sampler ‖ trainer) on
-    the sampled tokens; ``max_ratio`` / ``min_ratio`` = extreme token ratios ``ρ_t``.
+    ``sampler_mismatch_mean`` / ``_max`` = mean / max |Δlogp|; ``sampler_kl`` = k1 and ``sampler_kl_k3`` = k3
+    estimates of KL(sampler ‖ trainer); ``sampler_ratio_max`` / ``_min`` = extreme token ratios ``ρ_t``
+    (Δlogp clamped at ±20). The one place these are computed (the session logs them once per step).
     """
     old_logp_B_T, sampler_logp_B_T = old_logp_B_T.detach(), sampler_logp_B_T.detach()
     valid_B_T = mask_B_T.bool()
     log_rho_B_T = torch.clamp(old_logp_B_T - sampler_logp_B_T, -20, 20)
+    abs_B_T = log_rho_B_T.abs().masked_fill(~valid_B_T, 0.0)
     return {
-        "mismatch/abs_logp_diff": masked_mean(log_rho_B_T.abs(), mask_B_T),
-        "mismatch/kl": masked_mean(kl(sampler_logp_B_T, old_logp_B_T, "k1"), mask_B_T),
-        "mismatch/kl_k3": masked_mean(kl(sampler_logp_B_T, old_logp_B_T, "k3"), mask_B_T),
-        "mismatch/max_ratio": log_rho_B_T.masked_fill(~valid_B_T, -torch.inf).max().exp(),
-        "mismatch/min_ratio": log_rho_B_T.masked_fill(~valid_B_T, torch.inf).min().exp(),
+        "sampler_mismatch_mean": masked_mean(abs_B_T, mask_B_T),
+        "sampler_mismatch_max": abs_B_T.max() if abs_B_T.numel() else abs_B_T.new_zeros(()),
+        "sampler_kl": masked_mean(kl(sampler_logp_B_T, old_logp_B_T, "k1"), mask_B_T),
+        "sampler_kl_k3": masked_mean(kl(sampler_logp_B_T, old_logp_B_T, "k3"), mask_B_T),
+        "sampler_ratio_max": log_rho_B_T.masked_fill(~valid_B_T, -torch.inf).max().exp(),
+        "sampler_ratio_min": log_rho_B_T.masked_fill(~valid_B_T, torch.inf).min().exp(),
     }
 
 
@@ -63,8 +66,9 @@ class RolloutCorrection:
                                                              counts of the reduction (mask mode keeps them)
 
     Call it with ``(old_logp_B_T, sampler_logp_B_T, mask_B_T)``; it returns detached ``weights_B_T`` (pass
-    them to the loss as ``weights_B_T``), the mask to train on, and metrics: ``mismatch_metrics``, the mean
-    weight, and ``outside_frac``, the fraction of valid tokens truncated (tis) or zeroed / dropped.
+    them to the loss as ``weights_B_T``), the mask to train on, and metrics: the mean weight, and
+    ``outside_frac``, the fraction of valid tokens truncated (tis) or zeroed / dropped (the mismatch itself is
+    ``mismatch_metrics``).
     """
 
     level: str = "token"
@@ -104,7 +108,6 @@ class RolloutCorrection:
             else:
                 weights_B_T = torch.ones_like(w_B_T)
             weights_B_T = weights_B_T * new_mask_B_T.to(w_B_T.dtype)
-        metrics = mismatch_metrics(old_logp_B_T, sampler_logp_B_T, mask_B_T)
-        metrics["correction/weight_mean"] = masked_mean(weights_B_T, new_mask_B_T)
-        metrics["correction/outside_frac"] = masked_mean(outside_B_T, mask_B_T)
+            metrics = {"correction/weight_mean": masked_mean(weights_B_T, new_mask_B_T),
+                       "correction/outside_frac": masked_mean(outside_B_T, mask_B_T)}
         return weights_B_T, new_mask_B_T, metrics

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .core import masked_mean
+from .core import masked_mean, ratio
 from .registry import register_loss
-
-
-def _ratio(logp_B_T: torch.Tensor, old_logp_B_T: torch.Tensor) -> torch.Tensor:
-    return torch.exp(torch.clamp(logp_B_T - old_logp_B_T, -20.0, 20.0))
 
 
 def _weighted(loss_B_T: torch.Tensor, weights_B_T: torch.Tensor | None) -> torch.Tensor:
@@ -61,7 +57,7 @@ def ppo_clip(
     """
     if clip_c <= 1.0:
         raise ValueError(f"clip_c (dual-clip bound) must be > 1, got {clip_c}")
-    loss_B_T, clipped_B_T = _clipped_surrogate(_ratio(logp_B_T, old_logp_B_T), advantages_B_T, clip_low, clip_high)
+    loss_B_T, clipped_B_T = _clipped_surrogate(ratio(logp_B_T, old_logp_B_T), advantages_B_T, clip_low, clip_high)
     dual_B_T = -advantages_B_T * clip_c
     lower_B_T = (advantages_B_T < 0) & (loss_B_T > dual_B_T)
     loss_B_T = torch.where(lower_B_T, dual_B_T, loss_B_T)
@@ -108,7 +104,7 @@ def cispo(
     Differs from PPO, whose clipping zeroes the gradient of clipped tokens. Metrics: ``clip_frac``.
     MiniMax-M1, arXiv:2506.13585.
     """
-    ratio_B_T = _ratio(logp_B_T, old_logp_B_T)
+    ratio_B_T = ratio(logp_B_T, old_logp_B_T)
     lower = None if clip_low is None else 1 - clip_low
     clipped_ratio_B_T = torch.clamp(ratio_B_T, min=lower, max=1 + clip_high)
     loss_B_T = -clipped_ratio_B_T.detach() * advantages_B_T * logp_B_T
@@ -166,7 +162,7 @@ def sapo(
     always reduced seq-mean-token-mean. Soft Adaptive Policy Optimization, arXiv:2511.20347.
     """
     tau_B_T = torch.where(advantages_B_T > 0, tau_pos, tau_neg).to(logp_B_T.dtype)
-    gate_B_T = torch.sigmoid(tau_B_T * (_ratio(logp_B_T, old_logp_B_T) - 1)) * (4 / tau_B_T)
+    gate_B_T = torch.sigmoid(tau_B_T * (ratio(logp_B_T, old_logp_B_T) - 1)) * (4 / tau_B_T)
     loss_B_T = -gate_B_T * advantages_B_T
     return _weighted(loss_B_T, weights_B_T), {"approx_kl": _approx_kl(logp_B_T, old_logp_B_T, mask_B_T)}
 
@@ -244,7 +240,7 @@ def kl_cov(
 
 def _dppo(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, weights_B_T, trusted_B_T, clip_c):
     """``L = -A·sg(min(r, C))·logp`` on trusted tokens, 0 elsewhere; shared by the DPPO variants."""
-    ratio_B_T = _ratio(logp_B_T, old_logp_B_T)
+    ratio_B_T = ratio(logp_B_T, old_logp_B_T)
     trusted_B_T = trusted_B_T.detach()
     loss_B_T = -advantages_B_T * torch.clamp(ratio_B_T, max=clip_c).detach() * logp_B_T * trusted_B_T
     metrics = {

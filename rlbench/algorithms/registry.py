@@ -21,8 +21,21 @@ import torch
 from .core import KL_KINDS, REDUCTIONS, AdaptiveKL, aggregate, kl
 from .correction import RolloutCorrection
 
-# Keyword arguments every advantage / loss receives from the trainer: data, not hyperparameters.
-_DATA_KEYWORDS = {"group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "weights_B_T"}
+ADVANTAGE_DATA = ("group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "reward_components_B_K")
+"""Data an advantage estimator may declare as keyword arguments: the prompt group of each sample, the critic's
+values, the greedy baseline's score, the log-probs of the policy that sampled, the per-sample reward
+components ``[B, K]`` (a reward that returns a dict). It receives only those its signature names."""
+LOSS_DATA = ("weights_B_T",)
+"""Data a policy loss may declare: the detached rollout-correction weights."""
+DATA_KEYWORDS = frozenset(ADVANTAGE_DATA + LOSS_DATA)
+
+
+def declared(fn: Callable, data: Mapping) -> dict:
+    """The entries of ``data`` that ``fn``'s signature names (all of them if it takes ``**kwargs``)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(data)
+    return {k: v for k, v in data.items() if k in params}
 
 
 @dataclass(frozen=True)
@@ -73,8 +86,8 @@ def _lookup(kind: str, name: str):
 def register_advantage(name: str, fn: Callable | None = None):
     """Register an advantage estimator; usable as ``@register_advantage("x")`` or ``register_advantage("x", fn)``.
 
-    Contract: ``fn(rewards_B_T, mask_B_T, *, group_ids, values_B_T=None, baselines_B=None, old_logp_B_T=None,
-    **hparams) -> (advantages_B_T, returns_B_T)``, both 0 on invalid tokens.
+    Contract: ``fn(rewards_B_T, mask_B_T, *, <the ADVANTAGE_DATA it reads>, **hparams) -> (advantages_B_T,
+    returns_B_T)``, both 0 on invalid tokens; it receives only the data keywords it declares.
     """
     if fn is None:
         return lambda f: register_advantage(name, f)
@@ -87,7 +100,7 @@ def register_loss(name: str, fn: Callable | None = None, *, reduction: str | Non
 
     Contract: ``fn(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None, **hparams) ->
     (loss_B_T, metrics)``: the unreduced per-token loss (times ``weights_B_T`` when given) and 0-d detached
-    metrics. ``reduction`` is the mode the paper fixes (an ``Algorithm`` using this loss then reduces with it),
+    metrics. ``weights_B_T`` is optional: a loss without it cannot be used with rollout correction. ``reduction`` is the mode the paper fixes (an ``Algorithm`` using this loss then reduces with it),
     or None to leave it to the algorithm.
     """
     if reduction is not None and reduction not in REDUCTIONS:
@@ -144,7 +157,7 @@ def get(name_or_algorithm: str | Algorithm) -> Algorithm:
 def hyperparameters(fn: Callable) -> dict[str, object]:
     """Keyword hyperparameters of an advantage or loss and their defaults (``inspect.Parameter.empty`` if none)."""
     params = inspect.signature(fn).parameters.values()
-    return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _DATA_KEYWORDS}
+    return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name not in DATA_KEYWORDS}
 
 
 def _describe_fn(fn: Callable, kind: str) -> str:
@@ -259,6 +272,9 @@ class Algorithm:
         _check_kwargs(self.loss, self.loss_kwargs, "loss")
         if self.correction is not None and not isinstance(self.correction, RolloutCorrection):
             raise TypeError(f"correction must be a RolloutCorrection or None, got {type(self.correction).__name__}")
+        if self.correction is not None and not declared(self.loss, {"weights_B_T": None}):
+            raise ValueError(f"loss {_label(self.loss)!r} takes no weights_B_T, so it cannot apply rollout "
+                             f"correction: add a weights_B_T=None keyword (multiply the per-token loss by it)")
         if self.max_filter_rounds < 0 or self.overlong_buffer < 0:
             raise ValueError("max_filter_rounds and overlong_buffer must be >= 0")
 
@@ -274,6 +290,15 @@ class Algorithm:
     def reward_kl_controller(self) -> AdaptiveKL:
         """A fresh controller of the reward-KL β this algorithm declares."""
         return AdaptiveKL(self.reward_kl_coef, self.reward_kl_target, self.reward_kl_horizon)
+
+    def estimate(self, rewards_B_T: torch.Tensor, mask_B_T: torch.Tensor,
+                 **data) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(advantages_B_T, returns_B_T)`` of this algorithm's estimator, given the token rewards and whatever
+        of ``ADVANTAGE_DATA`` the caller has; the estimator receives only the keywords it declares."""
+        unknown = sorted(set(data) - set(ADVANTAGE_DATA))
+        if unknown:
+            raise TypeError(f"unknown advantage data {unknown}; valid: {', '.join(ADVANTAGE_DATA)}")
+        return self.advantage(rewards_B_T, mask_B_T, **declared(self.advantage, data), **self.advantage_kwargs)
 
     def actor_loss(
         self,
@@ -295,9 +320,8 @@ class Algorithm:
         """
         length = self.norm_length if norm_length is None else norm_length
         counts = dict(mode=self.reduction, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=length)
-        loss_B_T, metrics = self.loss(
-            logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, weights_B_T=weights_B_T, **self.loss_kwargs
-        )
+        data = {} if weights_B_T is None else {"weights_B_T": weights_B_T}
+        loss_B_T, metrics = self.loss(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, **data, **self.loss_kwargs)
         loss = aggregate(loss_B_T, mask_B_T, **counts)
         metrics = {**metrics, "pg_loss": loss.detach()}
         if self.entropy_coef > 0 and entropy_B_T is None:

@@ -70,7 +70,7 @@ def test_reinforce_plus_plus_masked_token_carries_return():
     # whiten over valid [1, 2]: mean 1.5, unbiased std sqrt(0.5) -> [-1/√2, 0, 1/√2]
     rewards_B_T = torch.tensor([[0.0, 0.0, 2.0]])
     mask_B_T = torch.tensor([[1, 0, 1]])
-    adv_B_T, returns_B_T = advantage_fn("reinforce_plus_plus")(rewards_B_T, mask_B_T, group_ids=None, gamma=0.5)
+    adv_B_T, returns_B_T = advantage_fn("reinforce_plus_plus")(rewards_B_T, mask_B_T, gamma=0.5)
     torch.testing.assert_close(returns_B_T, torch.tensor([[1.0, 0.0, 2.0]]))
     torch.testing.assert_close(adv_B_T, torch.tensor([[-1.0, 0.0, 1.0]]) / math.sqrt(2), atol=1e-6, rtol=0)
 
@@ -80,11 +80,11 @@ def test_remax():
     rewards_B_T = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
     mask_B_T = torch.tensor([[1, 1, 1], [1, 1, 0]])
     baselines_B = torch.tensor([0.5, 1.0])
-    adv_B_T, returns_B_T = advantage_fn("remax")(rewards_B_T, mask_B_T, group_ids=None, baselines_B=baselines_B)
+    adv_B_T, returns_B_T = advantage_fn("remax")(rewards_B_T, mask_B_T, baselines_B=baselines_B)
     torch.testing.assert_close(adv_B_T, torch.tensor([[0.5, 0.5, 0.5], [1.0, 1.0, 0.0]]))
     torch.testing.assert_close(returns_B_T, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
     with pytest.raises(ValueError, match="baselines_B"):
-        advantage_fn("remax")(rewards_B_T, mask_B_T, group_ids=None)
+        advantage_fn("remax")(rewards_B_T, mask_B_T)
 
 
 def test_gpg():
@@ -129,12 +129,12 @@ def test_gae_skips_masked_tokens():
     values_B_T = torch.tensor([[0.5, 0.2, 0.4]])
     mask_B_T = torch.tensor([[1, 0, 1]])
     adv_B_T, returns_B_T = advantage_fn("gae")(
-        rewards_B_T, mask_B_T, group_ids=None, values_B_T=values_B_T, gamma=0.9, lam=0.5
+        rewards_B_T, mask_B_T, values_B_T=values_B_T, gamma=0.9, lam=0.5
     )
     torch.testing.assert_close(returns_B_T, torch.tensor([[0.63, 0.0, 1.0]]))
     torch.testing.assert_close(adv_B_T, torch.tensor([[-1.0, 0.0, 1.0]]) / math.sqrt(2), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="values_B_T"):
-        advantage_fn("gae")(rewards_B_T, mask_B_T, group_ids=None)
+        advantage_fn("gae")(rewards_B_T, mask_B_T)
 
 
 def test_gdpo_normalises_each_component():

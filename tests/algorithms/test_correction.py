@@ -68,12 +68,13 @@ def test_mismatch_metrics():
     # valid log ρ: ln 3, ln 0.5, ln 1.2, 0, 0
     metrics = mismatch_metrics(OLD_LOGP_B_T, SAMPLER_LOGP_B_T, MASK_B_T)
     log_rho = [math.log(3), math.log(0.5), math.log(1.2), 0.0, 0.0]
-    assert metrics["mismatch/abs_logp_diff"].item() == pytest.approx(sum(map(abs, log_rho)) / 5, rel=1e-5)
-    assert metrics["mismatch/kl"].item() == pytest.approx(-sum(log_rho) / 5, rel=1e-5)  # k1 of KL(sampler‖trainer)
+    assert metrics["sampler_mismatch_mean"].item() == pytest.approx(sum(map(abs, log_rho)) / 5, rel=1e-5)
+    assert metrics["sampler_mismatch_max"].item() == pytest.approx(math.log(3), rel=1e-5)
+    assert metrics["sampler_kl"].item() == pytest.approx(-sum(log_rho) / 5, rel=1e-5)  # k1 of KL(sampler‖trainer)
     k3 = sum(math.exp(x) - x - 1 for x in log_rho) / 5  # ρ - 1 - log ρ
-    assert metrics["mismatch/kl_k3"].item() == pytest.approx(k3, rel=1e-5)
-    assert metrics["mismatch/max_ratio"].item() == pytest.approx(3.0, rel=1e-5)  # the masked 100 is ignored
-    assert metrics["mismatch/min_ratio"].item() == pytest.approx(0.5, rel=1e-5)
+    assert metrics["sampler_kl_k3"].item() == pytest.approx(k3, rel=1e-5)
+    assert metrics["sampler_ratio_max"].item() == pytest.approx(3.0, rel=1e-5)  # the masked 100 is ignored
+    assert metrics["sampler_ratio_min"].item() == pytest.approx(0.5, rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -72,9 +72,9 @@ def random_batch(seed=0):
 
 
 def advantages_of(alg, batch):
-    return alg.advantage(
+    return alg.estimate(
         batch["rewards_B_T"], batch["mask_B_T"], group_ids=batch["group_ids"], values_B_T=batch["values_B_T"],
-        baselines_B=batch["baselines_B"], old_logp_B_T=batch["old_logp_B_T"], **alg.advantage_kwargs,
+        baselines_B=batch["baselines_B"], old_logp_B_T=batch["old_logp_B_T"],
     )
 
 
