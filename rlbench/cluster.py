@@ -2,9 +2,11 @@
 
 A `WorkerGroup` is `size` hosts (one per rank). A host is a process that holds named objects (a
 policy rank, a reference rank, a critic rank, a sampler): objects built on the same host are
-colocated. The driver calls a method of one object on every rank; `map_rows` / `map_shards` split a
-Batch across ranks (balanced by token count) and put the results back in row order. Nothing is hidden
-behind decorators: every split and merge is in this file.
+colocated. The driver calls a method of one object on every rank, naming the method by the function
+itself (`group.call("policy", Policy.log_probs, batch)`, never by a string), so a reader and a tool can
+follow the call to the code that runs; `map_rows` / `map_shards` split a Batch across ranks (balanced by
+token count) and put the results back in row order. Nothing is hidden behind decorators: every split and
+merge is in this file. The typed handles the session hands out (`rlbench.workers`) are built on these calls.
 
 Ray: with no address the session starts a private local instance (never attaching to another cluster
 on the machine) and shuts it down when its last session closes; with `Ray(address=...)` or RAY_ADDRESS
@@ -42,15 +44,17 @@ class WorkerDied(RuntimeError):
 class Host:
     """A worker process's container of named objects (inline, the driver process itself)."""
 
-    def __init__(self, threads: int):
-        torch.set_num_threads(threads)
+    def __init__(self, threads: int | None):
+        if threads is not None:  # inline, the user's process keeps its own thread count unless told otherwise
+            torch.set_num_threads(threads)
         self.objects: dict[str, Any] = {}
 
     def build(self, name: str, factory: Callable, kwargs: dict) -> None:
         self.objects[name] = factory(**kwargs)
 
-    def call(self, name: str, method: str, *args, **kwargs):
-        return getattr(self.objects[name], method)(*args, **kwargs)
+    def call(self, name: str, method: Callable, *args, **kwargs):
+        """`method(objects[name], *args, **kwargs)`: `method` is a function of the object's class."""
+        return method(self.objects[name], *args, **kwargs)
 
     def pid(self) -> int:
         return os.getpid()
@@ -71,9 +75,10 @@ class Host:
 
 
 class WorkerGroup:
-    """`size` hosts: inline objects (size must be 1) or Ray actors with `cpus` CPUs each."""
+    """`size` hosts: inline objects (size must be 1) or Ray actors with `cpus` CPUs each. `threads`: torch
+    threads of each host process (None: leave the process's own, for an inline host in the user's process)."""
 
-    def __init__(self, name: str, size: int, *, ray: bool, threads: int = 1, cpus: float = 1.0, gpus: float = 0,
+    def __init__(self, name: str, size: int, *, ray: bool, threads: int | None = 1, cpus: float = 1.0, gpus: float = 0,
                  env: dict[str, str] | None = None):
         self.name, self.size, self.ray = name, size, ray
         if not ray:
@@ -93,17 +98,17 @@ class WorkerGroup:
         self._get([self._send(h, "build", name, factory, kw) for h, kw in zip(self.hosts, kwargs_per_rank)],
                   f"building {name}")
 
-    def call(self, name: str, method: str, *args, **kwargs) -> list:
+    def call(self, name: str, method: Callable, *args, **kwargs) -> list:
         """`objects[name].method(*args, **kwargs)` on every rank at once; one result per rank."""
         return self._get([self._send(h, "call", name, method, *args, **kwargs) for h in self.hosts],
-                         f"{name}.{method}")
+                         f"{name}.{method.__name__}")
 
-    def call_each(self, name: str, method: str, args_per_rank: list[tuple], **kwargs) -> list:
+    def call_each(self, name: str, method: Callable, args_per_rank: list[tuple], **kwargs) -> list:
         """Like `call`, rank r getting `*args_per_rank[r]`."""
         return self._get([self._send(h, "call", name, method, *a, **kwargs)
-                          for h, a in zip(self.hosts, args_per_rank)], f"{name}.{method}")
+                          for h, a in zip(self.hosts, args_per_rank)], f"{name}.{method.__name__}")
 
-    def ref(self, name: str, method: str, rank: int = 0):
+    def ref(self, name: str, method: Callable, rank: int = 0):
         """Start `method` on every rank, return rank `rank`'s result without fetching it to the driver
         (a Ray ObjectRef, or the value inline): pass it on to another worker zero-copy."""
         futures = [self._send(h, "call", name, method) for h in self.hosts]
@@ -111,10 +116,10 @@ class WorkerGroup:
             import ray
 
             ray.wait(futures, num_returns=len(futures), fetch_local=False)
-            self._get(futures[:rank] + futures[rank + 1 :], f"{name}.{method}")
+            self._get(futures[:rank] + futures[rank + 1 :], f"{name}.{method.__name__}")
         return futures[rank]
 
-    def map_rows(self, name: str, method: str, batch: Batch, **kwargs) -> torch.Tensor:
+    def map_rows(self, name: str, method: Callable, batch: Batch, **kwargs) -> torch.Tensor:
         """Split rows across ranks (balanced by tokens), call, and put the `[rows, T]` results back in the
         batch's row order (zero-padded to the widest)."""
         index = balance(batch, self.size)
@@ -124,7 +129,7 @@ class WorkerGroup:
             out[torch.tensor(rows, dtype=torch.long), : part.shape[1]] = part
         return out
 
-    def map_shards(self, name: str, method: str, batch: Batch, **kwargs) -> list:
+    def map_shards(self, name: str, method: Callable, batch: Batch, **kwargs) -> list:
         """Split rows across ranks (balanced by tokens) and call; one result per rank."""
         return self.call_each(name, method, [(batch[i],) for i in balance(batch, self.size)], **kwargs)
 

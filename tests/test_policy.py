@@ -28,7 +28,7 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_dir, rollout, mode):
     scale = counts["num_tokens"] if mode == "token-sum" else 1
     for name, grad in gradients(policy).items():
         torch.testing.assert_close(grad / scale, expected[name] / scale, atol=1e-6, rtol=0, msg=name)
-    assert split["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+    assert split["loss"] == pytest.approx(whole["loss"], abs=1e-6, rel=1e-6)  # token-sum: a sum of ~100 terms
 
 
 def test_update_improves_the_surrogate_objective(tiny_dir, rollout):
@@ -45,7 +45,8 @@ def test_update_improves_the_surrogate_objective(tiny_dir, rollout):
         return float((adv_B * (policy.log_probs(batch) * mask).sum(-1) / mask.sum(-1)).mean())
 
     before = objective()
-    stats = policy.train_mini_batch(batch, algorithm, num_tokens=int(mask.sum()), num_seqs=len(batch), norm_length=8)
+    policy.forward_backward(batch, algorithm, num_tokens=int(mask.sum()), num_seqs=len(batch), norm_length=8)
+    stats = policy.optim_step()
     assert objective() > before
     assert stats["grad_norm"] > 0 and stats["skipped"] == 0.0 and stats["lr"] == 1e-5
 
@@ -55,8 +56,9 @@ def test_non_finite_gradient_skips_the_step(tiny_dir, rollout):
     batch = rollout.with_columns(old_logp=policy.log_probs(rollout),
                                  advantages=rollout["advantages"] * float("nan"))
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    stats = policy.train_mini_batch(batch, rl.algorithms.get("grpo").replace(kl_coef=0.0),
-                                    num_tokens=int(batch["response_mask"].sum()), num_seqs=len(batch), norm_length=8)
+    policy.forward_backward(batch, rl.algorithms.get("grpo").replace(kl_coef=0.0),
+                            num_tokens=int(batch["response_mask"].sum()), num_seqs=len(batch), norm_length=8)
+    stats = policy.optim_step()
     assert stats["skipped"] == 1.0
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
 

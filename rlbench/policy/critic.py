@@ -9,7 +9,7 @@ from rlbench import algorithms as alg
 from rlbench import models
 from rlbench.batch import Batch
 from rlbench.policy import checkpoint
-from rlbench.policy.forward import rank_micro_batches, response_outputs
+from rlbench.policy.forward import batch_outputs, rank_micro_batches, response_outputs
 from rlbench.policy.fsdp import loss_mask
 from rlbench.policy.training import OptimSettings, Optimizer, backward, init_process_group, shard
 
@@ -25,43 +25,37 @@ class Critic:
                  init_method: str | None = None, micro_batch_tokens: int = 4096, clip_range: float = 0.5,
                  seed: int = 0, device: str = "cpu"):
         init_process_group(rank, world_size, init_method, device)
-        self.device = device
-        torch.manual_seed(seed)
-        model = models.from_pretrained(AutoModelForTokenClassification, model_dir, num_labels=1)
-        self.model = shard(model, world_size, device).train()
+        self.rank, self.world_size, self.device = rank, world_size, device
+        with torch.random.fork_rng(devices=[]):  # the value head's init, seeded, without touching the caller's RNG
+            torch.manual_seed(seed)
+            model = models.from_pretrained(AutoModelForTokenClassification, model_dir, num_labels=1)
+        self.model = shard(model, world_size, device).eval()  # dropout off, as the policy's
         self.optimizer = Optimizer(self.model, optim)
         self.micro_batch_tokens, self.clip_range = micro_batch_tokens, clip_range
 
     def save_checkpoint(self, path: str) -> None:
-        checkpoint.save(path, self.model, self.optimizer)
+        checkpoint.save(path, self.model, self.optimizer, rank=self.rank)
 
     def load_checkpoint(self, path: str) -> None:
-        checkpoint.load(path, self.model, self.optimizer)
+        checkpoint.load(path, self.model, self.optimizer, rank=self.rank)
 
-    @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
         """Values `[B, T]` of the batch's response positions (0 on padding)."""
-        values_B_T = torch.zeros(batch["response_ids"].shape)
-        start = 0
-        for micro in rank_micro_batches(batch, self.micro_batch_tokens):
-            micro = micro.trimmed().to(self.device)
-            out = response_outputs(self.model, micro)[..., 0].cpu()
-            values_B_T[start : start + len(micro), : out.shape[1]] = out
-            start += len(micro)
-        return values_B_T * batch["response_mask"]
+        return batch_outputs(lambda micro: response_outputs(self.model, micro)[..., 0], batch,
+                             micro_batch_tokens=self.micro_batch_tokens, world_size=self.world_size, device=self.device)
 
     def train_mini_batch(self, mini: Batch, *, mode: str, num_tokens: int, num_seqs: int,
                          norm_length: int) -> dict[str, float]:
         """One optimizer step of the clipped value loss on `returns`, reduced with the mini-batch's counts."""
         self.optimizer.zero_grad()
         sums: dict[str, float] = {}
-        for micro in rank_micro_batches(mini, self.micro_batch_tokens):
+        for micro in rank_micro_batches(mini, self.micro_batch_tokens, self.world_size):
             micro = micro.trimmed().to(self.device)
             mask_B_T = loss_mask(micro)
             loss, metrics = alg.value_loss(response_outputs(self.model, micro)[..., 0], micro["values"],
                                            micro["returns"], mask_B_T, clip_range=self.clip_range, mode=mode,
                                            num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
-            backward(loss)
+            backward(loss, self.world_size)
             share = float(mask_B_T.sum()) / max(num_tokens, 1)
             sums["vf_loss"] = sums.get("vf_loss", 0.0) + float(metrics["vf_loss"])
             sums["vf_clip_frac"] = sums.get("vf_clip_frac", 0.0) + share * float(metrics["vf_clip_frac"])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from rlbench.algorithms import token_logp
 from rlbench.batch import Batch
 
 
@@ -169,24 +171,27 @@ def response_logits(model, batch: Batch, temperature: float = 1.0) -> torch.Tens
     return logits_B_T_V / temperature if temperature not in (0, 1) else logits_B_T_V
 
 
-def token_logp(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[id] without materialising the whole log-softmax."""
-    return logits_B_T_V.gather(-1, ids_B_T[..., None]).squeeze(-1) - logits_B_T_V.logsumexp(-1)
+def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: int, world_size: int = 1,
+               device: str | torch.device = "cpu") -> torch.Tensor:
+    """Log-probs of every response token of `batch`, `[B, T]` on CPU (0 on padding), in micro-batches."""
+    def logp(micro: Batch) -> torch.Tensor:
+        return token_logp(response_logits(model, micro, temperature), micro["response_ids"])
+    return batch_outputs(logp, batch, micro_batch_tokens=micro_batch_tokens, world_size=world_size, device=device)
 
 
 @torch.no_grad()
-def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: int,
-               device: str | torch.device = "cpu") -> torch.Tensor:
-    """Log-probs of every response token of `batch`, `[B, T]` on CPU (0 on padding), in micro-batches."""
-    logp_B_T = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+def batch_outputs(fn: Callable[[Batch], torch.Tensor], batch: Batch, *, micro_batch_tokens: int, world_size: int = 1,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+    """`fn(micro)` (`[b, t]` per response token) over the batch's micro-batches, assembled into `[B, T]` on CPU
+    in fp32, 0 on padding: the one no-grad pass the policy's log-probs and the critic's values share."""
+    out_B_T = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
     start = 0
-    for micro in rank_micro_batches(batch, micro_batch_tokens):
+    for micro in rank_micro_batches(batch, micro_batch_tokens, world_size):
         micro = micro.trimmed().to(device)
-        logits_b_t_V = response_logits(model, micro, temperature)
-        width = logits_b_t_V.shape[1]
-        logp_B_T[start : start + len(micro), :width] = token_logp(logits_b_t_V, micro["response_ids"]).cpu()
+        part_b_t = fn(micro)
+        out_B_T[start : start + len(micro), : part_b_t.shape[1]] = part_b_t.float().cpu()
         start += len(micro)
-    return logp_B_T * batch["response_mask"]
+    return out_B_T * batch["response_mask"]
 
 
 def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
@@ -208,14 +213,14 @@ def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
     return chunks
 
 
-def rank_micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
+def rank_micro_batches(batch: Batch, micro_batch_tokens: int, world_size: int = 1) -> list[Batch]:
     """`micro_batches`, with the same count on every rank of the process group.
 
     FSDP2 gathers parameters collectively at every forward, so all ranks must run the same number of
     forwards: a rank that needs fewer micro-batches than the busiest one splits its rows more finely.
     """
     chunks = micro_batches(batch, micro_batch_tokens)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size == 1:
         return chunks
     count = torch.tensor([len(chunks)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(count, op=dist.ReduceOp.MAX)

@@ -20,15 +20,15 @@ class Reference:
         init_process_group(rank, world_size, init_method, device)
         model = models.from_pretrained(AutoModelForCausalLM, model_dir).requires_grad_(False)
         self.model = shard(model, world_size, device).eval()
-        self.device = device
+        self.rank, self.world_size, self.device = rank, world_size, device
         self.temperature, self.micro_batch_tokens = temperature, micro_batch_tokens
 
     def log_probs(self, batch: Batch) -> torch.Tensor:
         return batch_logp(self.model, batch, temperature=self.temperature, micro_batch_tokens=self.micro_batch_tokens,
-                          device=self.device)
+                          world_size=self.world_size, device=self.device)
 
     def save_checkpoint(self, path: str) -> None:
-        checkpoint.save(path, self.model)
+        checkpoint.save(path, self.model, rank=self.rank)
 
     def load_checkpoint(self, path: str) -> None:
-        checkpoint.load(path, self.model)
+        checkpoint.load(path, self.model, rank=self.rank)

@@ -97,34 +97,38 @@ def shard(model: torch.nn.Module, world_size: int, device: str = "cpu") -> torch
     return model
 
 
-def backward(loss: torch.Tensor) -> None:
+def backward(loss: torch.Tensor, world_size: int) -> None:
     """Backpropagate a rank's share of a loss reduced with the mini-batch's global counts.
 
     Such shares add up to the mini-batch loss, so rank gradients must be summed; FSDP2 averages them over
     the world size (gloo has no pre-scaled sum), hence the factor.
     """
-    (loss * dist.get_world_size()).backward()
+    (loss * world_size).backward()
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def full_state_dict(model: torch.nn.Module, rank: int, world_size: int) -> dict[str, torch.Tensor] | None:
     """The unsharded weights on CPU, on rank 0 (every rank takes part; the others get None). At world size
     1 (an unsharded model, see `shard`) these are the live parameters on CPU, not copies: readers copy."""
-    if dist.get_world_size() == 1:  # the state-dict API's traversal is most of a tiny model's sync time
+    if world_size == 1:  # the state-dict API's traversal is most of a tiny model's sync time
         return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state if dist.get_rank() == 0 else None
+    return state if rank == 0 else None
 
 
 def init_process_group(rank: int, world_size: int, init_method: str | None = None, device: str = "cpu") -> None:
-    """gloo (CPU) or NCCL (CUDA) for this process: an in-memory store at world size 1, else the rendezvous
-    `init_method` (tcp://host:port, chosen by the driver) or MASTER_ADDR / MASTER_PORT from the environment."""
+    """Join the ranks' process group: gloo (CPU) or NCCL (CUDA), over the rendezvous `init_method`
+    (tcp://host:port, chosen by the driver) or MASTER_ADDR / MASTER_PORT from the environment.
+
+    Only at world size > 1, where each rank is a worker process of its own (a Ray actor). One rank needs no
+    process group, and makes none: an inline worker lives in the user's process, whose torch.distributed
+    state (an in-process vLLM engine's group, a user's own) is not ours to create or tear down.
+    """
+    if world_size == 1:
+        return
     backend = "nccl" if device == "cuda" else "gloo"
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise RuntimeError(f"this process already belongs to a process group of size {dist.get_world_size()}, "
                                f"not {world_size}")
         return
-    if world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
