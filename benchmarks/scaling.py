@@ -31,7 +31,7 @@ def measure(model: str, samples_per_prompt: int, steps: int, precision: str) -> 
     with rl.Session(model=model, task="arithmetic", algorithm=algorithm, cluster="inline", threads=1, seed=0,
                     log_dir=None, prompts_per_step=16, samples_per_prompt=samples_per_prompt, max_new_tokens=8,
                     lr=1e-4, precision=precision, on_policy_old_logp=True) as s:
-        parameters = sum(p.numel() for p in s.workers.hosts[0].objects["policy"].model.parameters())
+        parameters = sum(p.numel() for p in s.policy.workers.hosts[0].objects["policy"].model.parameters())
         metrics = s.run(steps + 2, progress=False).iloc[2:]
     timings = metrics.filter(like="time_").median()
     tokens = metrics["response_length"] * 16 * samples_per_prompt

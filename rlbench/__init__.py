@@ -1,14 +1,22 @@
-"""rlbench: reinforcement-learning post-training of language models, one inspectable step at a time."""
+"""rlbench: reinforcement-learning post-training of language models, one inspectable step at a time.
 
-import os
+Importing it changes nothing in the process (no environment variable, thread count, RNG or other library is
+touched) and loads no plotting library: `rl.viz` (matplotlib, pandas) is imported on first use.
+"""
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads must not spin
+import importlib
 
-from rlbench import algorithms, models, rewards, tasks, viz  # noqa: E402
-from rlbench.batch import Batch  # noqa: E402
-from rlbench.cluster import Ray  # noqa: E402
-from rlbench.config import Config  # noqa: E402
-from rlbench.session import Session  # noqa: E402
+from rlbench import algorithms, models, rewards, tasks, workers
+from rlbench.batch import Batch
+from rlbench.cluster import Ray
+from rlbench.config import Config
+from rlbench.session import Session
 
-__all__ = ["Batch", "Config", "Ray", "Session", "algorithms", "models", "rewards", "tasks", "viz"]
+__all__ = ["Batch", "Config", "Ray", "Session", "algorithms", "models", "rewards", "tasks", "viz", "workers"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "viz":  # plots and the dashboard: matplotlib and pandas load when first asked for
+        return importlib.import_module("rlbench.viz")
+    raise AttributeError(f"module 'rlbench' has no attribute {name!r}")

@@ -149,9 +149,9 @@ def evaluate_at_k(session, max_prompts: int | None, k: int) -> dict:
 
     cfg = session.config
     examples = list(session.task.test)[:max_prompts]
-    greedy = session.score(session.generate(examples, SamplingParams(max_new_tokens=cfg.max_new_tokens,
+    greedy = session.score(session.sampler.generate(examples, SamplingParams(max_new_tokens=cfg.max_new_tokens,
                                                                      temperature=0.0)))
-    sampled = session.score(session.generate(examples, SamplingParams(
+    sampled = session.score(session.sampler.generate(examples, SamplingParams(
         n=k, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)))
     correct_B = _correct(sampled)
     groups = sampled["group_ids"].tolist()

@@ -30,7 +30,7 @@ def _numbers(metrics):
 def test_resume_is_the_uninterrupted_run_bit_for_bit(algorithm, overlap, tmp_path):
     with rl.Session(**SMALL, algorithm=algorithm, overlap_rollout=overlap, run_name="whole") as whole:
         expected = whole.run(5, progress=False)
-        expected_weights = whole.workers.call("policy", "state_dict")[0]
+        expected_weights = whole.policy.state_dict()
 
     with rl.Session(**SMALL, algorithm=algorithm, overlap_rollout=overlap, run_name="halves") as first:
         first.run(2, progress=False)
@@ -40,7 +40,7 @@ def test_resume_is_the_uninterrupted_run_bit_for_bit(algorithm, overlap, tmp_pat
     with rl.Session.restore(tmp_path / "ckpt") as second:
         assert (second.step_count, second.run_name, second.config.algorithm) == (2, "halves", algorithm)
         metrics = second.run(3, progress=False)
-        weights = second.workers.call("policy", "state_dict")[0]
+        weights = second.policy.state_dict()
         logged = rl.sinks.read_jsonl("runs/halves/metrics.jsonl")
 
     assert _numbers(metrics).equals(_numbers(expected))
@@ -165,9 +165,9 @@ def _nan_advantages(batch):
 def test_a_non_finite_loss_skips_the_step_and_keeps_the_weights():
     with rl.Session(**SMALL) as s:
         s.step()
-        before = {k: v.clone() for k, v in s.workers.call("policy", "state_dict")[0].items()}
+        before = {k: v.clone() for k, v in s.policy.state_dict().items()}
         stats = s.update(_nan_advantages(s.advantage(s.score(s.rollout()))))
-        after = s.workers.call("policy", "state_dict")[0]
+        after = s.policy.state_dict()
         assert (stats["skipped"], stats["nonfinite_loss"]) == (1.0, 1.0)
         assert all(torch.equal(before[k], after[k]) for k in before)
         s.step()  # and training goes on from there

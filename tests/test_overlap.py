@@ -16,7 +16,7 @@ SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="i
 def test_each_batch_was_sampled_by_the_weights_before_the_previous_update(tiny_dir):
     with rl.Session(**SMALL, seed=1, lr=1e-3, overlap_rollout=True) as s:
         s.step()
-        after_first = {k: v.clone() for k, v in s.workers.call("policy", "state_dict")[0].items()}
+        after_first = {k: v.clone() for k, v in s.policy.state_dict().items()}
         s.step()
         batch = s.last_batch  # trained on by the second update, sampled while the first one ran
     assert torch.equal(batch["old_logp"], batch["sampler_logp"])  # PPO's old policy: the one that sampled
@@ -92,13 +92,13 @@ def test_inline_the_next_rollout_starts_at_the_backward(monkeypatch):
     # in one process the sampler's small ops and the forward's would contend for the GIL; the backward releases it
     events = []
     real_backward = rl.policy.fsdp.backward
-    monkeypatch.setattr(rl.policy.fsdp, "backward", lambda loss: (events.append("backward"), real_backward(loss)))
+    monkeypatch.setattr(rl.policy.fsdp, "backward", lambda *args: (events.append("backward"), real_backward(*args)))
     with rl.Session(**SMALL, seed=0, overlap_rollout=True) as s:
         real_rollout = s.rollout
         monkeypatch.setattr(s, "rollout", lambda: (events.append("rollout"), real_rollout())[1])
         s.step()
         s.step()
-        assert s.workers.hosts[0].objects["policy"].before_backward is None  # the hook is gone between steps
+        assert s.policy.workers.hosts[0].objects["policy"].before_backward is None  # the hook is gone between steps
     assert events == ["rollout", "backward", "rollout", "backward", "rollout"]
 
 

@@ -33,10 +33,10 @@ def ray_instance(tiny_dir):
 def test_two_ranks_match_inline_and_close_leaves_nothing(tiny_dir):
     with rl.Session(**CONFIG, cluster="inline", threads=1) as inline:
         expected = inline.run(3, progress=False)
-        expected_weights = inline.workers.call("policy", "state_dict")[0]
+        expected_weights = inline.policy.state_dict()
     session = rl.Session(**CONFIG, cluster="ray", world_size=2)
     metrics = session.run(3, progress=False)
-    weights = session.workers.call("policy", "state_dict")
+    weights = session.policy.workers.call("policy", rl.policy.Policy.state_dict)
     assert weights[1] is None  # the full weights are gathered on rank 0 only
     for column in ["loss", "pg_loss", "kl_loss", "reward_mean", "grad_norm", "entropy"]:
         torch.testing.assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
@@ -45,7 +45,7 @@ def test_two_ranks_match_inline_and_close_leaves_nothing(tiny_dir):
         torch.testing.assert_close(weights[0][name], value, atol=1e-4, rtol=0, msg=name)
     assert metrics["sampler_mismatch_max"].max() < 1e-4 and metrics["time_sync"].gt(0).all()
 
-    pids = [pid for group in session._groups for pid in group.pids()]
+    pids = [pid for group in session.workers.groups for pid in group.pids()]
     assert len(set(pids)) == 4  # two policy ranks, the sampler, the reward scorer
     session.close()
     session.close()  # idempotent
@@ -85,7 +85,7 @@ def test_overlapped_rollouts_on_ray_match_inline(tiny_dir):
 def test_critic_and_reference_workers(tiny_dir, algorithm, placement):
     small = CONFIG | dict(algorithm=algorithm, prompts_per_step=4, samples_per_prompt=4)
     with rl.Session(**small, cluster="ray", world_size=2, placement=placement) as s:
-        names = [g.name for g in s._groups]
+        names = [g.name for g in s.workers.groups]
         extra = {"ppo": "critic", "reinforce_pp": "reference"}[algorithm]
         assert (extra in names) == (placement == "separate")
         metrics = s.run(2, progress=False)
@@ -99,7 +99,7 @@ def test_a_dead_worker_is_named(tiny_dir):
 
     s = rl.Session(**CONFIG, cluster="ray", world_size=2)
     s.step()
-    ray.kill(s.workers.hosts[1], no_restart=True)
+    ray.kill(s.policy.workers.hosts[1], no_restart=True)
     with pytest.raises(rl.cluster.WorkerDied, match=r"worker 'policy' rank 1 died during .* \(at step 1, stage"):
         s.step()
     assert len(s.metrics) == 1  # what was done is still there
@@ -144,26 +144,26 @@ def test_a_killed_rank_is_restored_from_the_last_checkpoint_and_the_run_finishes
     small = CONFIG | dict(prompts_per_step=4, samples_per_prompt=4)
     with rl.Session(**small, cluster="ray", world_size=2) as whole:
         expected = whole.run(4, progress=False)
-        expected_weights = whole.workers.call("policy", "state_dict")[0]
+        expected_weights = whole.policy.state_dict()
 
     killed = []
 
     def kill_rank_1_once(session, row):
         if row["step"] == 2 and not killed:  # step 3 has finished; the last checkpoint is step 2's
-            killed.append(session.workers.pids()[1])
-            ray.kill(session.workers.hosts[1], no_restart=True)
+            killed.append(session.policy.workers.pids()[1])
+            ray.kill(session.policy.workers.hosts[1], no_restart=True)
 
     s = rl.Session(**small, cluster="ray", world_size=2, save_every=2, save_dir=str(tmp_path))
     s.callbacks.append(kill_rank_1_once)
     with pytest.warns(UserWarning, match=r"worker 'policy' rank 1 died during .* \(at step 3, stage .*restored "
                                          r".*step-000002 and going on \(0 retries left\)"):
         metrics = s.run(4, progress=False, retries=1)
-    assert killed and killed[0] not in s.workers.pids()  # the workers were started afresh
+    assert killed and killed[0] not in s.policy.workers.pids()  # the workers were started afresh
     assert metrics["step"].tolist() == [0, 1, 2, 3]
     for column in ["loss", "reward_mean", "grad_norm", "entropy", "kl_loss"]:  # the restart changed nothing
         torch.testing.assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
                                    atol=1e-5, rtol=0, msg=column)
-    weights = s.workers.call("policy", "state_dict")[0]
+    weights = s.policy.state_dict()
     s.close()
     for name, value in expected_weights.items():
         torch.testing.assert_close(weights[name], value, atol=1e-5, rtol=0, msg=name)
@@ -171,7 +171,7 @@ def test_a_killed_rank_is_restored_from_the_last_checkpoint_and_the_run_finishes
     # the two-rank checkpoint loads into one inline rank (torch.distributed.checkpoint reshards it)
     with rl.Session.restore(tmp_path, cluster="inline", world_size=1, threads=1) as inline:
         assert inline.step_count == 4
-        for name, value in inline.workers.call("policy", "state_dict")[0].items():
+        for name, value in inline.policy.state_dict().items():
             torch.testing.assert_close(value, weights[name], atol=0, rtol=0, msg=name)
 
 

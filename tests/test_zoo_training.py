@@ -25,7 +25,7 @@ def test_declarations_reach_the_batch(tiny_dir):
     """What a preset declares shows up in what the session computes."""
     ppo = rl.Session(**SMALL, algorithm="ppo")
     batch = ppo.advantage(ppo.score(ppo.rollout()))
-    assert "values" in batch and ppo.critic_workers is not None and ppo.reference_workers is None
+    assert "values" in batch and ppo.critic is not None and ppo.reference is None
     assert "vf_loss" in ppo.update(batch)
 
     remax = rl.Session(**SMALL, algorithm="remax")

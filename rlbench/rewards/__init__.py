@@ -23,10 +23,12 @@ from rlbench.rewards.judge import LLMJudge
 from rlbench.rewards.reward_model import RewardModel
 from rlbench.rewards.runner import RewardError, Scores, batched, run_each, score_all
 from rlbench.rewards.sandbox import Limits, Run, run_python
+from rlbench.rewards.scorer import TaskScorer
 from rlbench.rewards.shaping import format_reward, weighted, with_length_penalty, with_overlong_penalty
 
 __all__ = [
-    "DATA_SOURCES", "LLMJudge", "Limits", "RewardError", "RewardModel", "Run", "Scores", "batched", "by_data_source",
+    "DATA_SOURCES", "LLMJudge", "Limits", "RewardError", "RewardModel", "Run", "Scores", "TaskScorer", "batched",
+    "by_data_source",
     "check_countdown", "code_reward", "countdown_reward", "dapo_math_reward", "extract_code", "extract_gsm8k",
     "format_reward", "gsm8k_reward", "math_equal", "math_reward", "reward_for", "run_each", "run_python",
     "score_all", "weighted", "with_length_penalty", "with_overlong_penalty",

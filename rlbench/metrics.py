@@ -1,0 +1,34 @@
+"""A step's row of `Session.metrics`: summaries of the batch it trained on."""
+
+from __future__ import annotations
+
+import torch
+
+from rlbench.algorithms import mismatch_metrics
+from rlbench.batch import Batch
+
+
+def batch_metrics(batch: Batch) -> dict[str, float]:
+    """Per-step summaries of a scored, advantaged batch (and its whole-batch numeric `meta` values). The
+    sampler-vs-trainer mismatch (`sampler_mismatch_*`, `sampler_kl*`, `sampler_ratio_*`) is here when the batch
+    has `old_logp`; with `on_policy_old_logp` the update's forward reports it."""
+    mask_B_T = batch["response_mask"].float()
+    valid = mask_B_T.sum().clamp(min=1)
+    mismatch = {}
+    if "old_logp" in batch:
+        mismatch = {k: float(v) for k, v in mismatch_metrics(batch["old_logp"], batch["sampler_logp"], mask_B_T).items()}
+    return {
+        "reward_mean": float(batch["reward"].mean()),
+        "reward_std": float(batch["reward"].std()) if len(batch) > 1 else 0.0,
+        "score_mean": float(batch["score"].mean()),
+        "accuracy": float(accuracy(batch).mean()),
+        "reward_errors": float(sum(e is not None for e in batch["reward_error"])),
+        "response_length": float(mask_B_T.sum(-1).mean()),
+        "truncated_frac": float((~batch["finished"]).float().mean()),
+        "advantage_abs_mean": float((batch["advantages"].abs() * mask_B_T).sum() / valid),
+    } | mismatch | {k: float(v) for k, v in batch.meta.items() if isinstance(v, (int, float))}
+
+
+def accuracy(batch: Batch) -> torch.Tensor:
+    """Per-sample accuracy: the reward's "acc" component when it has one, else the task's score."""
+    return batch["acc"] if "acc" in batch else batch["score"]

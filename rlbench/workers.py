@@ -1,0 +1,329 @@
+"""The session's workers, and the typed handles it calls them through.
+
+`start_workers` builds every worker of a session (the policy ranks, with the reference and critic colocated on
+them or in groups of their own, the sampler, the reward scorer), in this process or as Ray actors, and returns
+them as `Workers`: one handle per part. A handle is the same object inline and on Ray; each method says which
+worker method it runs (`Policy.forward_backward`, ...) and on which ranks: every rank (rows split by token
+count) or the one worker. Tinker-style custom loops use them directly:
+
+    fb = s.policy.forward_backward(batch)       # gradients accumulate over calls
+    step = s.policy.optim_step()                # clip, step, schedule; {"grad_norm", "lr", "skipped", ...}
+    s.sync_weights()                            # the sampler takes the new weights
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from rlbench import tasks
+from rlbench.algorithms import Algorithm
+from rlbench.batch import Batch, left_pad
+from rlbench.cluster import Ray, WorkerGroup, acquire_ray, check_resources, release_ray
+from rlbench.config import Config
+from rlbench.policy import Critic, Policy, Reference
+from rlbench.policy.fsdp import loss_mask, merge_ranks
+from rlbench.policy.training import OptimSettings
+from rlbench.rewards import TaskScorer
+from rlbench.samplers import HFSampler, SamplingParams, VLLMSampler
+from rlbench.samplers import vllm as vllm_sampler
+
+
+class PolicyHandle:
+    """The trainable policy's ranks (Tinker's TrainingClient): log-probs, gradient steps, its weights."""
+
+    def __init__(self, workers: WorkerGroup, algorithm: Algorithm, norm_length: int):
+        self.workers, self.algorithm, self.norm_length = workers, algorithm, norm_length
+
+    def log_probs(self, batch: Batch) -> torch.Tensor:
+        """Log-probs `[B, T]` of the batch's responses under the current weights (rows split across ranks)."""
+        return self.workers.map_rows("policy", Policy.log_probs, batch)
+
+    def forward_backward(self, batch: Batch, loss_fn: Algorithm | Callable | None = None) -> dict[str, float]:
+        """Accumulate the gradient of a loss over `batch` (rows split across ranks) and return its terms.
+
+        `loss_fn`: None for the session's algorithm, another `Algorithm`, or a registered-style loss function
+        (`f(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, **hparams) -> (loss_B_T, metrics)`) reduced
+        the session's algorithm's way. The loss is reduced with the whole batch's token and sequence counts:
+        calling this once per mini-batch and then `optim_step()` is exactly the session's `update()`.
+        """
+        algorithm = (self.algorithm if loss_fn is None else loss_fn if isinstance(loss_fn, Algorithm)
+                     else self.algorithm.replace(loss=loss_fn, loss_kwargs={}))
+        counts = batch_counts(batch, algorithm.norm_length or self.norm_length)
+        return merge_ranks(self.workers.map_shards("policy", Policy.forward_backward, batch, algorithm=algorithm,
+                                                   **counts))
+
+    def optim_step(self) -> dict[str, float]:
+        """One optimizer step over the gradients accumulated since the last one, on every rank:
+        {"grad_norm", "lr", "skipped", "nonfinite_loss", "nonfinite_grad"} (a non-finite loss or gradient
+        norm skips it, weights untouched)."""
+        return self.workers.call("policy", Policy.optim_step)[0]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) weights, on CPU (rank 0 gathers them)."""
+        return self.workers.call("policy", Policy.state_dict)[0]
+
+    def weights_ref(self):
+        """Rank 0's full weights as numpy arrays, left where they are (a Ray object reference, or the
+        arrays inline): what the sampler loads, zero-copy."""
+        return self.workers.ref("policy", Policy.state_arrays)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.workers.call("policy", Policy.save_checkpoint, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.workers.call("policy", Policy.load_checkpoint, path)
+
+    def export(self, path: str) -> None:
+        """The current weights as a Hugging Face model folder (written by rank 0)."""
+        self.workers.call("policy", Policy.export, path)
+
+    def set_before_backward(self, fn: Callable[[], None] | None) -> None:
+        """Inline only: call `fn` before each backward pass (the overlapped rollout starts there)."""
+        self.workers.call("policy", Policy.set_before_backward, fn)
+
+
+class ReferenceHandle:
+    """The frozen reference policy's ranks."""
+
+    def __init__(self, workers: WorkerGroup):
+        self.workers = workers
+
+    def log_probs(self, batch: Batch) -> torch.Tensor:
+        """Reference log-probs `[B, T]` of the batch's responses (rows split across ranks)."""
+        return self.workers.map_rows("reference", Reference.log_probs, batch)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.workers.call("reference", Reference.save_checkpoint, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.workers.call("reference", Reference.load_checkpoint, path)
+
+
+class CriticHandle:
+    """The value model's ranks (PPO)."""
+
+    def __init__(self, workers: WorkerGroup, algorithm: Algorithm, norm_length: int):
+        self.workers, self.algorithm, self.norm_length = workers, algorithm, norm_length
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        """Values `[B, T]` of the batch's response positions (rows split across ranks)."""
+        return self.workers.map_rows("critic", Critic.values, batch)
+
+    def train_mini_batch(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of the clipped value loss on the batch's `returns` (needs `values`)."""
+        counts = batch_counts(batch, self.algorithm.norm_length or self.norm_length)
+        return merge_ranks(self.workers.map_shards("critic", Critic.train_mini_batch, batch,
+                                                   mode=self.algorithm.reduction, **counts))
+
+    def save_checkpoint(self, path: str) -> None:
+        self.workers.call("critic", Critic.save_checkpoint, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.workers.call("critic", Critic.load_checkpoint, path)
+
+
+class SamplerHandle:
+    """The sampler worker, with the tokenizer that turns examples into its prompts and its tokens into text."""
+
+    def __init__(self, workers: WorkerGroup, tokenizer, choice: str):
+        self.workers, self.tokenizer = workers, tokenizer
+        self.choice = choice
+        """Which sampler runs, and why (e.g. "hf: on CPU the hf sampler is faster ...")."""
+
+    def generate(self, examples_or_prompts: Sequence[dict | str | list], params: SamplingParams) -> Batch:
+        """Sample `params.n` completions of each example (a dict with a "prompt") or prompt (text, or a list of
+        chat messages): the rollout table, prompt-major, before any score."""
+        examples = [e if isinstance(e, dict) else {"prompt": e} for e in examples_or_prompts]
+        prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
+        out = self.workers.call("sampler", _sampler_generate, prompt_ids, params)[0]
+        rows = [i for i in range(len(examples)) for _ in range(params.n)]
+        ids_B_P, mask_B_P = left_pad([prompt_ids[i] for i in rows], self.tokenizer.pad_token_id)
+        completions = self.tokenizer.batch_decode(
+            [ids[: n - int(done)] for ids, n, done in
+             zip(out["response_ids"].tolist(), out["response_mask"].sum(-1).tolist(), out["finished"].tolist())])
+        return out.with_columns(
+            prompt=[examples[i]["prompt"] for i in rows], completion=completions,
+            group_ids=torch.tensor(rows), prompt_ids=ids_B_P, prompt_mask=mask_B_P,
+            example=[examples[i] for i in rows])
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """Token ids of a prompt (`rl.tasks.encode_prompt`): chat template if the tokenizer has one, else plain text."""
+        return tasks.encode_prompt(self.tokenizer, prompt)
+
+    def load_weights(self, weights) -> None:
+        """Replace the sampler's weights with a full state dict (tensors, numpy arrays or a Ray reference to them)."""
+        self.workers.call("sampler", _sampler_load_weights, weights)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights the sampler holds (a sampler without `state_dict()` raises AttributeError)."""
+        return self.workers.call("sampler", _sampler_state_dict)[0]
+
+    def sleep(self) -> None:
+        """vLLM on a GPU shared with the policy: free the KV cache and move the weights off the GPU."""
+        self.workers.call("sampler", VLLMSampler.sleep)
+
+
+class ScorerHandle:
+    """The reward worker: the task's reward over completions, in parallel, with a timeout per sample."""
+
+    def __init__(self, workers: WorkerGroup):
+        self.workers = workers
+
+    def score(self, completions: list[str], examples: list[dict], finished_B: torch.Tensor):
+        """(score [B], components {name: [B]}, per-sample errors) of completions."""
+        return self.workers.call("rewards", TaskScorer.score, completions, examples, finished_B)[0]
+
+
+# A sampler is any object following the Sampler protocol (HFSampler, VLLMSampler, a user's): these call its
+# methods whatever its class.
+def _sampler_generate(sampler, prompt_ids, params):
+    return sampler.generate(prompt_ids, params)
+
+
+def _sampler_load_weights(sampler, weights):
+    return sampler.load_weights(weights)
+
+
+def _sampler_state_dict(sampler):
+    return sampler.state_dict()
+
+
+def batch_counts(batch: Batch, norm_length: int) -> dict[str, int]:
+    """The whole batch's loss-token and sequence counts (every rank's share is reduced with them), and `T_norm`."""
+    return dict(num_tokens=int(loss_mask(batch).sum()), num_seqs=len(batch), norm_length=norm_length)
+
+
+@dataclasses.dataclass
+class Workers:
+    """Every worker of a session, by handle; `close()` ends them (also when garbage-collected)."""
+
+    policy: PolicyHandle
+    sampler: SamplerHandle
+    scorer: ScorerHandle
+    reference: ReferenceHandle | None
+    critic: CriticHandle | None
+    groups: list[WorkerGroup]
+    on_ray: bool
+
+    def __post_init__(self):
+        self._closer = weakref.finalize(self, _close_groups, self.groups, self.on_ray)
+
+    def close(self) -> None:
+        """End every worker (and the Ray instance rlbench started, once no session uses it). Idempotent."""
+        self._closer()
+
+    def trained(self) -> dict[str, PolicyHandle | ReferenceHandle | CriticHandle]:
+        """The models a checkpoint keeps, by folder name."""
+        parts = {"policy": self.policy, "reference": self.reference, "critic": self.critic}
+        return {name: handle for name, handle in parts.items() if handle is not None}
+
+
+def start_workers(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer) -> Workers:
+    """Build every worker of a session: in this process (`cluster="inline"`) or as Ray actors."""
+    ray = cfg.cluster if isinstance(cfg.cluster, Ray) else Ray() if cfg.cluster == "ray" else None
+    separate = 1 + algorithm.needs_reference + algorithm.needs_critic if cfg.placement == "separate" else 1
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA GPU here: use device='cpu' or 'auto'")
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    gpus = 1 if device == "cuda" and ray is not None else 0
+    processes = cfg.world_size * separate + 2  # policy ranks (and their reference / critic), sampler, rewards
+    groups: list[WorkerGroup] = []
+    if ray is not None:
+        acquire_ray(ray, cpus_needed=processes * cfg.cpus_per_worker)
+        try:
+            check_resources(processes * cfg.cpus_per_worker, (processes - 1) * gpus,
+                            f"world_size={cfg.world_size} (placement={cfg.placement!r}: {processes} worker "
+                            f"processes at cpus_per_worker={cfg.cpus_per_worker:g})")
+        except ValueError:
+            release_ray()
+            raise
+    try:
+        return _build(cfg, algorithm, task, model_dir, tokenizer, ray, separate > 1, device, gpus, groups)
+    except BaseException:
+        _close_groups(groups, ray is not None)
+        raise
+
+
+def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, ray: Ray | None, separate: bool,
+           device: str, gpus: int, groups: list[WorkerGroup]) -> Workers:
+    threads = cfg.threads or (1 if ray else None)  # inline: the user's thread count unless `threads` is set
+    optim = OptimSettings(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                          lr_schedule=cfg.lr_schedule, lr_warmup_steps=cfg.lr_warmup_steps,
+                          lr_decay_steps=cfg.lr_decay_steps)
+    common = dict(model_dir=model_dir, micro_batch_tokens=cfg.micro_batch_tokens, device=device)
+
+    def group(name: str, size: int) -> WorkerGroup:
+        workers = WorkerGroup(name, size, ray=ray is not None, threads=threads, cpus=cfg.cpus_per_worker,
+                              gpus=gpus if name != "rewards" else 0)
+        groups.append(workers)
+        return workers
+
+    def ranks(workers: WorkerGroup, **kwargs) -> list[dict]:
+        address = workers.rendezvous()
+        return [common | kwargs | dict(rank=r, world_size=workers.size, init_method=address)
+                for r in range(workers.size)]
+
+    policy = group("policy", cfg.world_size)
+    policy.build("policy", Policy, ranks(policy, optim=optim, temperature=cfg.temperature, precision=cfg.precision))
+    reference = critic = None
+    if algorithm.needs_reference:
+        reference = group("reference", cfg.world_size) if separate else policy
+        reference.build("reference", Reference, ranks(reference, temperature=cfg.temperature))
+    if algorithm.needs_critic:
+        critic = group("critic", cfg.world_size) if separate else policy
+        critic.build("critic", Critic, ranks(critic, seed=cfg.seed, optim=dataclasses.replace(
+            optim, lr=cfg.critic_lr or cfg.lr)))
+    factory, kwargs, choice = _sampler_factory(cfg, model_dir, device)
+    sampler = group("sampler", 1)
+    sampler.build("sampler", factory, [kwargs])
+    scorer = group("rewards", 1)
+    scorer.build("rewards", TaskScorer, [dict(task=task, on_error=cfg.on_reward_error, timeout_s=cfg.reward_timeout_s,
+                                              workers=cfg.reward_workers, processes=cfg.reward_processes)])
+    return Workers(policy=PolicyHandle(policy, algorithm, cfg.max_new_tokens), sampler=SamplerHandle(sampler, tokenizer, choice),
+                   scorer=ScorerHandle(scorer), reference=reference and ReferenceHandle(reference),
+                   critic=critic and CriticHandle(critic, algorithm, cfg.max_new_tokens),
+                   groups=groups, on_ray=ray is not None)
+
+
+def _close_groups(groups: list[WorkerGroup], on_ray: bool) -> None:
+    """End the groups' workers; release Ray (shut down if rlbench started it and no session uses it)."""
+    for workers in groups:
+        workers.close()
+    groups.clear()
+    if on_ray:
+        release_ray()
+
+
+def check_sampler(sampler, cluster) -> None:
+    """ValueError for a `sampler=` that is no choice, or a Sampler object outside the inline cluster."""
+    if isinstance(sampler, str) and sampler not in ("auto", "hf", "vllm"):
+        raise ValueError(f"sampler={sampler!r} is not one of: 'auto', 'hf', 'vllm' (or a Sampler object)")
+    if not isinstance(sampler, str) and cluster != "inline":
+        raise ValueError("a Sampler object runs in this process: use cluster='inline', or sampler='hf' / 'vllm'")
+
+
+def _sampler_factory(cfg: Config, model_dir: str, device: str):
+    """(factory, its keyword arguments, which sampler and why) for `cfg.sampler`.
+
+    "auto" takes vLLM on a GPU; on a CPU the HF decode loop, measured faster there than vLLM's CPU build
+    (benchmarks/vllm_sampler.py) and without its engine start-up.
+    """
+    if not isinstance(cfg.sampler, str):
+        return (lambda: cfg.sampler), {}, f"{type(cfg.sampler).__name__} (given)"
+    usable, why = vllm_sampler.available()
+    if cfg.sampler == "vllm" and not usable:
+        raise ValueError(f"sampler='vllm' cannot run here: {why}")
+    if cfg.sampler == "vllm" or (cfg.sampler == "auto" and usable and device == "cuda"):
+        longest = cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_new_tokens
+        settings = dict(kv_cache_bytes=cfg.vllm_kv_cache_bytes, max_model_len=cfg.vllm_max_model_len or longest,
+                        enforce_eager=cfg.vllm_enforce_eager, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                        sleep_mode=cfg.vllm_sleep)
+        return VLLMSampler.from_pretrained, dict(model_dir=model_dir, **settings), f"vllm: {why}"
+    reason = ("asked for" if cfg.sampler == "hf" else why if not usable
+              else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")
+    return (HFSampler.from_pretrained, dict(model_dir=model_dir, device=device, precision=cfg.precision),
+            f"hf: {reason}")
