@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from rlbench import models
+from rlbench.algorithms import token_logp
 from rlbench.batch import Batch, left_pad
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
@@ -155,7 +156,7 @@ def sample_next(logits_B_V: torch.Tensor, params: SamplingParams,
     """
     if params.greedy:
         token_B = logits_B_V.argmax(-1)
-        return token_B, _token_logp(logits_B_V, token_B)
+        return token_B, token_logp(logits_B_V, token_B)
     if params.temperature != 1.0:
         logits_B_V = logits_B_V / params.temperature
     logz_B_1 = logits_B_V.logsumexp(-1, keepdim=True)
@@ -175,7 +176,3 @@ def sample_next(logits_B_V: torch.Tensor, params: SamplingParams,
     u_B_1 = uniform_B[:, None] * cdf_B_V[:, -1:]
     token_B = torch.searchsorted(cdf_B_V, u_B_1, right=True).squeeze(-1).clamp(max=cdf_B_V.shape[-1] - 1)
     return token_B, logits_B_V.gather(-1, token_B[:, None]).squeeze(-1) - logz_B_1.squeeze(-1)
-
-
-def _token_logp(logits_B_V: torch.Tensor, token_B: torch.Tensor) -> torch.Tensor:
-    return logits_B_V.gather(-1, token_B[:, None]).squeeze(-1) - logits_B_V.logsumexp(-1)
