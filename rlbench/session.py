@@ -50,6 +50,11 @@ class Session:
         self.tokenizer = models.load_tokenizer(self.model_dir)
         tasks.check_prompts(self.task)
         self.task = tasks.limit_prompt_tokens(self.task, self.tokenizer, cfg.max_prompt_tokens, on_long=cfg.long_prompts)
+        room = models.prompt_room(self.model_dir, cfg.max_new_tokens)
+        longest = cfg.max_prompt_tokens or tasks.longest_prompt_tokens(
+            self.tokenizer, [*self.task.train, *self.task.test], fits=lambda n: room is None or n <= room)
+        models.check_fits(self.model_dir, self.tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
+                          max_new_tokens=cfg.max_new_tokens, longest_prompt_tokens=longest)
         self.state = SessionState(run_name=cfg.run_name or new_run_name(self.algorithm.name, cfg.seed),
                                   reward_kl=self.algorithm.reward_kl_controller() if self.algorithm.reward_kl_coef else None)
         # the run folder is this session's alone while it is open (another live session's is refused, naming it)

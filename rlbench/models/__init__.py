@@ -20,11 +20,11 @@ from transformers.utils import logging as hf_logging
 
 from rlbench.models import tiny_arith, tiny_mix
 from rlbench.models.arithmetic_data import arithmetic_split
-from rlbench.models.checks import check_fits, check_tokenizer_files, check_weights, dropout_fields
+from rlbench.models.checks import check_fits, check_tokenizer_files, check_weights, dropout_fields, prompt_room
 from rlbench.models.tiny_arith import build_tiny_model
 from rlbench.models.tokenizer import build_tokenizer
 
-__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "check_fits", "dropout_fields", "from_pretrained",
+__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "check_fits", "dropout_fields", "prompt_room", "from_pretrained",
            "load", "load_tokenizer", "names", "quiet_transformers", "resolve"]
 
 _BUILTINS: dict[str, Callable[[int], Path]] = {tiny_arith.NAME: tiny_arith.ensure_built,

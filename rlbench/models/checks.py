@@ -86,6 +86,12 @@ def context_length(config: PretrainedConfig) -> tuple[str, int] | None:
     return min(limits.items(), key=lambda limit: limit[1], default=None)
 
 
+def prompt_room(model_dir: str | os.PathLike, max_new_tokens: int) -> int | None:
+    """Tokens left for a prompt in the model's context after `max_new_tokens` (None: no limit)."""
+    limit = context_length(text_config(model_dir))
+    return None if limit is None else limit[1] - max_new_tokens
+
+
 def check_fits(model_dir: str | os.PathLike, tokenizer: PreTrainedTokenizerBase, *, max_prompt_tokens: int | None,
                max_new_tokens: int, longest_prompt_tokens: int | None = None) -> None:
     """ValueError when the model in `model_dir` cannot take what the session will feed it:

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rlbench.models.chat import messages_of, render_prompt
 from rlbench.tasks.base import Task
@@ -21,6 +21,14 @@ def prompt_tokens(tokenizer, examples: Sequence[dict]) -> list[int]:
         return []
     texts = [render_prompt(tokenizer, e["prompt"]) for e in examples]
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def longest_prompt_tokens(tokenizer, examples: Sequence[dict], *, fits: Callable[[int], bool]) -> int:
+    """Token count of the longest prompt, or an upper bound of it that `fits`: a rendered prompt's UTF-8 byte
+    count bounds its token count (every token stands for at least one byte), and rendering is ~100x cheaper
+    than tokenizing, so prompts are tokenized only when the bound does not fit."""
+    bound = max((len(render_prompt(tokenizer, e["prompt"]).encode()) for e in examples), default=0)
+    return bound if fits(bound) else max(prompt_tokens(tokenizer, examples), default=0)
 
 
 def check_prompts(task: Task) -> None:
