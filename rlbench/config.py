@@ -265,6 +265,22 @@ class Config:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
+    def signature(cls, init) -> inspect.Signature:
+        """The signature of `init(self, config=None, **overrides)` with every field as a keyword-only parameter
+        (its type and default), for `help()`, tab completion and IDEs."""
+        hints = typing.get_type_hints(cls)
+        fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+                  for f in dataclasses.fields(cls)]
+        first = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("self", "config")]
+        return inspect.Signature([first[0], first[1].replace(default=None, annotation=cls | None), *fields])
+
+    @classmethod
+    def describe(cls) -> str:
+        """Every field, its default and its docstring, as text."""
+        docs = cls.docs()
+        return "\n".join(f"{f.name} = {f.default!r}\n    {' '.join(docs[f.name].split())}" for f in dataclasses.fields(cls))
+
+    @classmethod
     def docs(cls) -> dict[str, str]:
         """{field: its docstring}, in field order: the string literal under each field in the class body
         (Python keeps no such docstring at run time, so it is read from the source)."""

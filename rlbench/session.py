@@ -8,11 +8,8 @@ The workers are reached through typed handles (`s.policy`, `s.sampler`, `s.score
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import os
 import time
-import typing
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,6 +81,7 @@ class Session:
     critic = property(lambda self: self.workers.critic, doc="The critic's ranks, or None.")
     step_count = property(lambda self: self.state.step_count, doc="Steps recorded so far.")
     run_name = property(lambda self: self.state.run_name, doc="The run's folder name under `log_dir`.")
+    skipped_updates = property(lambda self: self.state.skipped_updates, doc="Optimizer steps skipped (non-finite).")
     history = property(lambda self: self.state.history, doc="One metrics dict per step (`metrics` as a list).")
 
     def close(self) -> None:
@@ -349,11 +347,6 @@ class Session:
 
     # ------------------------------------------------------------------------------ looking at it
     @property
-    def skipped_updates(self) -> list[dict]:
-        """Optimizer steps skipped for a non-finite loss or gradient: {"step", "reason"} each."""
-        return self.state.skipped_updates
-
-    @property
     def metrics(self):
         """One row per step: rewards, accuracy, losses, KL, entropy, clipping, grad norm, lengths, tokens generated
         (every rollout of the step: extra dynamic-sampling rounds and greedy baselines too), timings."""
@@ -415,20 +408,8 @@ class Session:
                 f"step={self.state.step_count})")
 
 
-def _signature_and_help() -> None:
-    """`Session(config=None, **overrides)` shows every `Config` field in its signature (so `help()`, tab
-    completion and IDEs list them, with their defaults) and documents each one, from the dataclass itself."""
-    hints, docs = typing.get_type_hints(Config), Config.docs()
-    fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
-              for f in dataclasses.fields(Config)]
-    Session.__init__.__signature__ = inspect.Signature(
-        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-         inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=Config | None),
-         *fields])
-    Session.__init__.__doc__ = (
-        "Start a session from a `Config` and/or keyword overrides of its fields, e.g.\n"
-        "`Session(model=\"tiny-arith\", algorithm=\"grpo\", cluster=\"inline\", seed=0)`. The keywords:\n\n"
-        + "\n".join(f"{p.name} = {p.default!r}\n    {' '.join(docs[p.name].split())}" for p in fields))
-
-
-_signature_and_help()
+# `help(Session)`, tab completion and IDEs show every field of `Config`, its default and its docstring
+Session.__init__.__signature__ = Config.signature(Session.__init__)
+Session.__init__.__doc__ = ("Start a session from a `Config` and/or keyword overrides of its fields, e.g. "
+                            "`Session(model=\"tiny-arith\", algorithm=\"grpo\", cluster=\"inline\", seed=0)`.\n\n"
+                            + Config.describe())
