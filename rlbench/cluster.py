@@ -95,23 +95,23 @@ class WorkerGroup:
     # ------------------------------------------------------------------------------ calls
     def build(self, name: str, factory: Callable, kwargs_per_rank: list[dict]) -> None:
         """Construct `factory(**kwargs_per_rank[r])` on every rank r under `name`."""
-        self._get([self._send(h, "build", name, factory, kw) for h, kw in zip(self.hosts, kwargs_per_rank)],
+        self._get([self._send(h, "build", name, factory, kw) for h, kw in zip(self._open(), kwargs_per_rank)],
                   f"building {name}")
 
     def call(self, name: str, method: Callable, *args, **kwargs) -> list:
         """`objects[name].method(*args, **kwargs)` on every rank at once; one result per rank."""
-        return self._get([self._send(h, "call", name, method, *args, **kwargs) for h in self.hosts],
+        return self._get([self._send(h, "call", name, method, *args, **kwargs) for h in self._open()],
                          f"{name}.{method.__name__}")
 
     def call_each(self, name: str, method: Callable, args_per_rank: list[tuple], **kwargs) -> list:
         """Like `call`, rank r getting `*args_per_rank[r]`."""
         return self._get([self._send(h, "call", name, method, *a, **kwargs)
-                          for h, a in zip(self.hosts, args_per_rank)], f"{name}.{method.__name__}")
+                          for h, a in zip(self._open(), args_per_rank)], f"{name}.{method.__name__}")
 
     def ref(self, name: str, method: Callable, rank: int = 0):
         """Start `method` on every rank, return rank `rank`'s result without fetching it to the driver
         (a Ray ObjectRef, or the value inline): pass it on to another worker zero-copy."""
-        futures = [self._send(h, "call", name, method) for h in self.hosts]
+        futures = [self._send(h, "call", name, method) for h in self._open()]
         if self.ray:
             import ray
 
@@ -137,10 +137,10 @@ class WorkerGroup:
         """A tcp:// address on rank 0's machine for torch.distributed (None for a one-rank group)."""
         if self.size == 1:
             return None
-        return self._get([self._send(self.hosts[0], "free_address")], "free_address")[0]
+        return self._get([self._send(self._open()[0], "free_address")], "free_address")[0]
 
     def pids(self) -> list[int]:
-        return self._get([self._send(h, "pid") for h in self.hosts], "pid")
+        return self._get([self._send(h, "pid") for h in self._open()], "pid")
 
     def close(self) -> None:
         """End the group's worker processes (Ray actors are killed; inline objects are dropped)."""
@@ -153,6 +153,13 @@ class WorkerGroup:
         self.hosts = []
 
     # --------------------------------------------------------------------------- plumbing
+    def _open(self) -> list:
+        """The hosts; RuntimeError once the group is closed."""
+        if not self.hosts:
+            raise RuntimeError(f"the '{self.name}' workers are closed (the session was closed): start a new session, "
+                               f"or Session.restore(...) a checkpoint")
+        return self.hosts
+
     def _send(self, host, method: str, *args, **kwargs):
         return getattr(host, method).remote(*args, **kwargs) if self.ray else getattr(host, method)(*args, **kwargs)
 

@@ -41,9 +41,16 @@ def read(path) -> tuple[Path, SessionState, dict]:
 
 
 def load(session, folder: Path, state: SessionState) -> None:
-    """Put a checkpoint into `session`'s workers and controller."""
-    for name, handle in session.workers.trained().items():
-        handle.load_checkpoint(str(folder / name))
+    """Put a checkpoint into `session`'s workers and controller. A model the checkpoint lacks: a reference
+    starts from the model as loaded (which it is); a critic cannot (ValueError naming it)."""
+    trained = session.workers.trained()
+    if "critic" in trained and not (folder / "critic").is_dir():
+        raise ValueError(f"algorithm {session.algorithm.name!r} trains a critic, and the checkpoint {folder} has none "
+                         f"(an algorithm without one saved it: its config.json names which): "
+                         f"restore it with the algorithm it was saved with, or start a new run from its exported weights")
+    for name, handle in trained.items():
+        if (folder / name).is_dir():
+            handle.load_checkpoint(str(folder / name))
     if session.state.reward_kl is None or state.reward_kl is None:  # the algorithm decides whether there is a β
         state.reward_kl = session.state.reward_kl
     session.state = state

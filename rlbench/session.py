@@ -177,6 +177,9 @@ class Session:
         """Optimizer step(s) over the batch (and the critic's, if any), then push the new weights to the
         sampler (unless `sync=False`); returns the metrics averaged over optimizer steps."""
         cfg = self.config
+        if len(batch) < cfg.world_size * cfg.mini_batches_per_step:
+            raise ValueError(f"update: the batch has {len(batch)} rows, fewer than world_size x mini_batches_per_step = "
+                             f"{cfg.world_size * cfg.mini_batches_per_step} (every rank needs a row of every mini-batch)")
         if cfg.vllm_sleep and self.sampler.choice.startswith("vllm"):  # a GPU shared with the policy
             self.sampler.sleep()
         with self._timed("update"):
@@ -319,7 +322,11 @@ class Session:
         """
         folder, state, record = resume.read(path)
         session = cls(Config.from_record(record, **{"run_name": state.run_name} | overrides))
-        resume.load(session, folder, state)
+        try:
+            resume.load(session, folder, state)
+        except BaseException:
+            session.close()
+            raise
         return session
 
     def _recover(self) -> Path:
@@ -370,12 +377,15 @@ class Session:
     def complete(self, texts: list[str], *, max_new_tokens: int | None = None) -> list[str]:
         """Greedy completions of text prompts by the current policy (e.g. `rl.rewards.LLMJudge(generate=...)`)."""
         params = SamplingParams(max_new_tokens=max_new_tokens or self.config.max_new_tokens, temperature=0)
-        return self.sampler.generate(texts, params)["completion"]
+        return self.sampler.generate(texts, params)["completion"] if texts else []
 
     def evaluate(self, *, max_prompts: int | None = None, progress: bool = False) -> dict[str, float]:
         """Held-out accuracy and mean reward, greedy and sampled (`eval_samples` per prompt)."""
         cfg = self.config
         examples = list(self.task.test)[:max_prompts]
+        if not examples:
+            raise ValueError(f"evaluate: no held-out prompts (task {getattr(self.task, 'name', self.task)!r} has "
+                             f"{len(self.task.test)} test examples, max_prompts={max_prompts})")
         greedy = SamplingParams(n=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
         sampled = SamplingParams(n=cfg.eval_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                  top_p=cfg.top_p, top_k=cfg.top_k, seed=mix(cfg.seed, -1))

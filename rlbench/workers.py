@@ -138,6 +138,8 @@ class SamplerHandle:
         """Sample `params.n` completions of each example (a dict with a "prompt") or prompt (text, or a list of
         chat messages): the rollout table, prompt-major, before any score."""
         examples = [e if isinstance(e, dict) else {"prompt": e} for e in examples_or_prompts]
+        if not examples:
+            raise ValueError("generate: no examples or prompts given")
         prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
         out = self.workers.call("sampler", _sampler_generate, prompt_ids, params)[0]
         rows = [i for i in range(len(examples)) for _ in range(params.n)]

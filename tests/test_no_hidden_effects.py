@@ -30,8 +30,12 @@ def test_building_stepping_and_restoring_a_session_leave_the_global_rngs_alone(t
         with rl.Session(**SMALL, algorithm=algorithm) as s:
             s.step()
             s.save(tmp_path / algorithm)
-        with rl.Session.restore(tmp_path / algorithm):
-            pass
+        assert rng_draws() == expected, algorithm
+        torch.manual_seed(11), np.random.seed(11), random.seed(11)  # streams other than the saved session's
+        expected = rng_draws()
+        torch.manual_seed(11), np.random.seed(11), random.seed(11)
+        with rl.Session.restore(tmp_path / algorithm) as s:
+            s.step()
         assert rng_draws() == expected, algorithm
 
 

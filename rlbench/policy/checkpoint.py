@@ -1,6 +1,6 @@
 """Saving and loading a worker's training state: sharded weights and optimizer state through
 torch.distributed.checkpoint (each rank writes its own shards; a different world size can load them),
-plus each rank's scheduler and RNG state, and the export of full weights as a Hugging Face model folder.
+plus each rank's scheduler state, and the export of full weights as a Hugging Face model folder.
 A checkpoint that cannot be read or written raises `CheckpointError`, naming the folder and the cause.
 """
 
@@ -46,11 +46,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer |
     if optimizer is not None and optimizer.adamw.state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer.adamw)
     _check_space(path, _nbytes(state), rank)
-    local = {"rng": torch.get_rng_state(), "has_optimizer_state": "optimizer" in state}
+    local = {"has_optimizer_state": "optimizer" in state}  # no RNG: training draws nothing at random
     if optimizer is not None:
         local["scheduler"] = optimizer.scheduler.state_dict()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        local["cuda_rng"] = torch.cuda.get_rng_state()
     with _torch_io("write", path):
         dcp.save(state, checkpoint_id=str(path))
         torch.save(local, path / f"rank{rank}.pt")
@@ -72,9 +70,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer |
         set_optimizer_state_dict(model, optimizer.adamw, state["optimizer"])
     if optimizer is not None:
         optimizer.scheduler.load_state_dict(local["scheduler"])
-    torch.set_rng_state(local["rng"])
-    if "cuda_rng" in local and torch.cuda.is_available():
-        torch.cuda.set_rng_state(local["cuda_rng"])
+        optimizer.apply_settings()  # the settings it was built with win over the saved ones (restore overrides)
 
 
 def export(path: str | os.PathLike, model: torch.nn.Module, *, rank: int = 0, world_size: int = 1) -> None:

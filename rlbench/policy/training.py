@@ -36,6 +36,19 @@ class Optimizer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.adamw, lr_lambda(settings.lr_schedule, settings.lr_warmup_steps, settings.lr_decay_steps))
 
+    def apply_settings(self) -> None:
+        """Make the optimizer follow `settings` after a checkpoint's state was loaded into it (which carries the
+        saved lr, betas and weight decay): a restored session's overrides take effect, the schedule goes on
+        from the loaded step count with the settings' shape and peak lr. Without overrides nothing changes."""
+        s = self.settings
+        schedule = lr_lambda(s.lr_schedule, s.lr_warmup_steps, s.lr_decay_steps)
+        self.scheduler.base_lrs = [s.lr for _ in self.adamw.param_groups]
+        self.scheduler.lr_lambdas = [schedule for _ in self.adamw.param_groups]
+        for group in self.adamw.param_groups:
+            group.update(initial_lr=s.lr, lr=s.lr * schedule(self.scheduler.last_epoch), betas=tuple(s.betas),
+                         weight_decay=s.weight_decay)
+        self.scheduler._last_lr = [group["lr"] for group in self.adamw.param_groups]
+
     def zero_grad(self) -> None:
         self.adamw.zero_grad(set_to_none=True)
 
