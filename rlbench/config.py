@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import os
 import textwrap
 import types
 import typing
@@ -304,8 +305,8 @@ def make_config(**kwargs) -> Config:
     unknown = sorted(set(kwargs) - set(Config.fields()))
     if unknown:
         raise TypeError(f"unknown Session argument(s) {unknown}; valid: {', '.join(Config.fields())}")
-    return Config(**kwargs).check()
-
+    paths = {k: os.fspath(v) for k, v in kwargs.items() if isinstance(v, os.PathLike)}  # model, log_dir, save_dir
+    return Config(**kwargs | paths).check()
 
 
 def mismatch(value, hint) -> str | None:

@@ -203,3 +203,8 @@ def test_every_field_has_its_docstring():
     assert docs["lr"] == "Peak learning rate of AdamW."
     assert docs["vllm_sleep"].startswith("vLLM sampler on a GPU shared with the policy: sleep during update()")
     assert "\n    " not in docs["precision"]  # continuation lines lose the class body's indent
+
+
+def test_paths_are_accepted_as_strings(tmp_path):
+    config = make_config(log_dir=tmp_path, save_dir=tmp_path / "ckpt")
+    assert (config.log_dir, config.save_dir) == (str(tmp_path), str(tmp_path / "ckpt"))
