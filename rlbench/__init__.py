@@ -6,13 +6,13 @@ touched) and loads no plotting library: `rl.viz` (matplotlib, pandas) is importe
 
 import importlib
 
-from rlbench import algorithms, models, rewards, samplers, tasks, workers
+from rlbench import algorithms, interrupts, models, rewards, samplers, tasks, workers
 from rlbench.batch import Batch
 from rlbench.cluster import Ray
 from rlbench.config import Config
 from rlbench.session import Session
 
-__all__ = ["Batch", "Config", "Ray", "Session", "algorithms", "models", "rewards", "samplers", "tasks", "viz", "workers"]
+__all__ = ["Batch", "Config", "Ray", "Session", "algorithms", "interrupts", "models", "rewards", "samplers", "tasks", "viz", "workers"]
 __version__ = "0.1.0"
 
 

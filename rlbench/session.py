@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from rlbench import algorithms, checkpoints, models, resume, tasks
+from rlbench import algorithms, checkpoints, interrupts, models, resume, tasks
 from rlbench.batch import Batch
 from rlbench.cluster import WorkerDied
 from rlbench.config import Config, make_config
@@ -70,6 +70,7 @@ class Session:
         self.last_batch: Batch | None = None
         self._prefetch = Prefetch()
         self._stop_requested = False
+        self._aborted: str | None = None  # why the session cannot go on (a step stopped midway)
         self._timings: dict[str, float] = {}
         self._tokens_generated = 0  # response tokens sampled since the step began (extra rounds, baselines too)
 
@@ -226,7 +227,18 @@ class Session:
     # --------------------------------------------------------------------------------- the loop
     def step(self) -> dict:
         """One RL iteration, `update(advantage(score(rollout())))`; appends and returns its row of `metrics`.
-        With `overlap_rollout`, the batch it trains on was rolled out and scored during the previous step."""
+        With `overlap_rollout`, the batch it trains on was rolled out and scored during the previous step.
+        Ctrl-C finishes and records the step, then stops (twice within a second: at once, see `rl.interrupts`)."""
+        if self._aborted is not None:
+            raise RuntimeError(self._aborted)
+        try:
+            with interrupts.step_finishes_first(f"step {self.state.step_count}"):
+                return self._step()
+        except interrupts.StepAborted as error:
+            self._aborted = str(error)
+            raise
+
+    def _step(self) -> dict:
         self._timings, self._tokens_generated = {}, 0
         start = time.perf_counter()
         batch = self._prefetch.take()

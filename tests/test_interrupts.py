@@ -1,0 +1,119 @@
+"""Ctrl-C during run(): the step in progress finishes and is recorded, so the bookkeeping always agrees.
+
+Real signals into a real subprocess: 50 SIGINTs at random times, then the invariants (steps recorded = optimizer
+steps = log lines, data position, sampler weights = policy weights) and a save / restore that continues bit for
+bit; and a double Ctrl-C that stops at once and makes the session refuse to go on.
+"""
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CHILD = textwrap.dedent("""
+    import json, os, sys, time
+    import torch
+    import rlbench as rl
+
+    log_dir, done, overlap = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    settings = dict(model="tiny-arith", task="arithmetic", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8,
+                    cluster="inline", seed=0, threads=1, log_dir=log_dir, overlap_rollout=overlap)
+    s = rl.Session(**settings, run_name="interrupted")
+    print("ready", flush=True)
+    interrupts = 0
+    while True:
+        try:
+            s.run(10**6, progress=False)
+        except KeyboardInterrupt:
+            interrupts += 1
+            if os.path.exists(done):
+                break
+    policy = s.policy.workers.hosts[0].objects["policy"]
+    pending = s._prefetch.pending() is not None
+    sampler, weights = s.sampler.state_dict(), s.policy.state_dict()
+    lines = len(open(os.path.join(log_dir, "interrupted", "metrics.jsonl")).read().splitlines())
+    facts = dict(interrupts=interrupts, steps=s.step_count, history=len(s.history), log_lines=lines,
+                 optimizer_steps=policy.optimizer.scheduler.last_epoch, examples_seen=s.state.examples_seen,
+                 rollouts_done=s.state.rollouts_done, pending=pending,
+                 sampler_is_policy=all(torch.equal(sampler[k], weights[k]) for k in weights if k in sampler))
+    path = s.save()
+    first = s.run(3, progress=False).iloc[-3:]
+    s.close()
+    with rl.Session.restore(path) as again:
+        second = again.run(3, progress=False).iloc[-3:]
+    numbers = [c for c in first.columns if not c.startswith("time_")]
+    facts["resumed_bit_for_bit"] = first[numbers].reset_index(drop=True).equals(second[numbers].reset_index(drop=True))
+    print(json.dumps(facts), flush=True)
+""")
+
+
+def start(tmp_path, overlap: bool) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "runs"), str(tmp_path / "done"),
+                              "1" if overlap else "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=tmp_path)
+    assert child.stdout.readline().strip() == "ready", child.stderr.read()
+    return child
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_fifty_interrupts_leave_the_bookkeeping_whole(tmp_path, overlap):
+    times = random.Random(0)
+    child = start(tmp_path, overlap)
+    try:
+        for i in range(50):
+            time.sleep(times.uniform(1.05, 1.5))  # apart by more than the 1 s double-Ctrl-C window
+            if i == 49:
+                (tmp_path / "done").touch()
+            child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=300)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err[-3000:]
+    facts = json.loads(out.strip().splitlines()[-1])
+    steps = facts["steps"]
+    assert facts["interrupts"] == 50 and steps > 50
+    assert facts["history"] == facts["log_lines"] == facts["optimizer_steps"] == steps
+    ahead = 1 if facts["pending"] else 0  # overlap_rollout: the next step's batch is already drawn
+    assert (facts["examples_seen"], facts["rollouts_done"]) == (4 * (steps + ahead), steps + ahead)
+    assert facts["sampler_is_policy"] and facts["resumed_bit_for_bit"]
+
+
+def test_a_second_interrupt_within_a_second_stops_at_once_and_the_session_refuses_to_go_on(tmp_path):
+    code = textwrap.dedent("""
+        import sys, time
+        import rlbench as rl
+        s = rl.Session(model="tiny-arith", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, cluster="inline",
+                       log_dir=None, threads=1)
+        slow_score = s.score
+        s.score = lambda batch: (time.sleep(3), slow_score(batch))[1]
+        print("ready", flush=True)
+        try:
+            s.step()
+        except rl.interrupts.StepAborted as error:
+            print("aborted:", error, flush=True)
+        try:
+            s.step()
+        except RuntimeError as error:
+            print("refused:", error, flush=True)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=tmp_path)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        child.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert "aborted: interrupted twice during step 0" in out, err[-2000:]
+    assert "refused: interrupted twice" in out and "Session.restore" in out
+    assert "finishing step 0 before stopping" in err
