@@ -41,6 +41,13 @@ class Session:
         if cfg.on_policy_old_logp and (self.algorithm.correction is not None or self.algorithm.reward_kl_coef):
             raise ValueError(f"on_policy_old_logp: algorithm {self.algorithm.name!r} reads old_logp before the "
                              "update (rollout correction or KL in the reward)")
+        if cfg.samples_per_prompt == 1 and "group_ids" in algorithms.declared(self.algorithm.advantage, {"group_ids": 0}):
+            raise ValueError(f"samples_per_prompt=1: algorithm {self.algorithm.name!r} compares the samples of a prompt "
+                             f"(its advantage declares group_ids), and one sample has none to compare with (GRPO would "
+                             f"train on raw rewards): use samples_per_prompt >= 2, or an estimator without groups")
+        if self.algorithm.filter_groups and cfg.samples_per_prompt < cfg.world_size:
+            raise ValueError(f"dynamic sampling may keep a single group of samples_per_prompt={cfg.samples_per_prompt} "
+                             f"rows, fewer than world_size={cfg.world_size} ranks: raise samples_per_prompt")
         self.task = tasks.get(cfg.task)
         check_sampler(cfg.sampler, cfg.cluster)
         self.model_dir = str(models.resolve(cfg.model))
@@ -52,6 +59,9 @@ class Session:
             self.tokenizer, [*self.task.train, *self.task.test], fits=lambda n: room is None or n <= room)
         models.check_fits(self.model_dir, self.tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
                           max_new_tokens=cfg.max_new_tokens, longest_prompt_tokens=longest)
+        self.identity = {"model": self.model_dir, "tokenizer": f"{type(self.tokenizer).__name__}, {len(self.tokenizer)} tokens",
+                         "task": tasks.fingerprint(self.task)}
+        """What the batches of this session carry (`meta["session"]`): its stages refuse another session's."""
         self.state = SessionState(run_name=cfg.run_name or new_run_name(self.algorithm.name, cfg.seed),
                                   reward_kl=self.algorithm.reward_kl_controller() if self.algorithm.reward_kl_coef else None)
         # the run folder is this session's alone while it is open (another live session's is refused, naming it)
@@ -120,13 +130,13 @@ class Session:
                 rows = batch["group_ids"]
                 batch = batch.with_columns(baseline_completion=[greedy["completion"][i] for i in rows],
                                            baseline_finished=greedy["finished"][rows])
-            return batch
+            return batch.with_meta(session=self.identity)
 
     def score(self, batch: Batch) -> Batch:
         """Add the task's `score` [B] (and its named components, e.g. `acc`, listed in `meta["reward_components"]`),
         `reward_error` per sample, and `reward` [B]: the score plus the algorithm's shaping (DAPO's overlong
         penalty), what advantages use."""
-        cfg, algorithm = self.config, self.algorithm
+        cfg, algorithm = self._mine(batch, "score"), self.algorithm
         with self._timed("score"):
             score_B, components, errors = self.scorer.score(batch["completion"], batch["example"], batch["finished"])
             columns = {"score": score_B, "reward_error": errors, **components}
@@ -144,7 +154,7 @@ class Session:
         """Add `old_logp`, and what the algorithm declares it needs (`ref_logp`, critic `values`, rollout
         correction weights), the token rewards (with KL-in-reward if declared), `advantages`, `returns`.
         Changes no session state: running it twice on a batch gives the same batch."""
-        algorithm, cfg = self.algorithm, self.config
+        algorithm, cfg = self.algorithm, self._mine(batch, "advantage")
         with self._timed("advantage"):
             mask_B_T = batch["response_mask"].float()
             columns, meta = {}, {}
@@ -176,11 +186,14 @@ class Session:
 
     def update(self, batch: Batch, *, sync: bool = True) -> dict[str, float]:
         """Optimizer step(s) over the batch (and the critic's, if any), then push the new weights to the
-        sampler (unless `sync=False`); returns the metrics averaged over optimizer steps."""
-        cfg = self.config
-        if len(batch) < cfg.world_size * cfg.mini_batches_per_step:
-            raise ValueError(f"update: the batch has {len(batch)} rows, fewer than world_size x mini_batches_per_step = "
-                             f"{cfg.world_size * cfg.mini_batches_per_step} (every rank needs a row of every mini-batch)")
+        sampler (unless `sync=False`); returns the metrics averaged over optimizer steps. A batch with fewer
+        than `world_size x mini_batches_per_step` rows (dynamic sampling kept few groups) takes fewer steps."""
+        cfg = self._mine(batch, "update")
+        # dynamic sampling may keep fewer rows than planned: then fewer mini-batches, each with a row per rank
+        minis = min(cfg.mini_batches_per_step, len(batch) // cfg.world_size)
+        if minis == 0:
+            raise ValueError(f"update: the batch has {len(batch)} rows, fewer than world_size={cfg.world_size} (every "
+                             f"rank needs a row)")
         if cfg.vllm_sleep and self.sampler.choice.startswith("vllm"):  # a GPU shared with the policy
             self.sampler.sleep()
         with self._timed("update"):
@@ -188,7 +201,7 @@ class Session:
             for epoch in range(cfg.epochs_per_step):
                 order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
                     mix(cfg.seed, self.state.step_count, epoch))) if cfg.epochs_per_step > 1 else torch.arange(len(batch))
-                for mini in batch[order].chunk(cfg.mini_batches_per_step):
+                for mini in batch[order].chunk(minis):
                     stats = self.policy.forward_backward(mini) | self.policy.optim_step()
                     steps.append(stats | (self.critic.train_mini_batch(mini) if self.critic is not None else {}))
             metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} | {
@@ -407,6 +420,15 @@ class Session:
             result[f"{mode}_accuracy"] = float(accuracy(scored).mean())
             result[f"{mode}_reward"] = float(scored["score"].mean())
         return result
+
+    def _mine(self, batch: Batch, stage: str) -> Config:
+        """This session's config, after checking that `batch` is not another session's (another model, tokenizer
+        or task: its token ids and examples would mean something else here)."""
+        theirs = batch.meta.get("session")
+        if theirs is not None and theirs != self.identity:
+            raise ValueError(f"{stage}: this batch comes from another session ({theirs}), not this one "
+                             f"({self.identity}): its token ids and examples mean something else here")
+        return self.config
 
     def _generate(self, examples: list[dict], params: SamplingParams) -> Batch:
         batch = self.sampler.generate(examples, params)

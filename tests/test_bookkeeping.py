@@ -64,7 +64,7 @@ def test_empty_inputs_and_a_closed_session_say_what_is_wrong():
     with pytest.raises(ValueError, match="no examples or prompts"):
         s.sampler.generate([], rl.samplers.SamplingParams())
     batch = s.advantage(s.score(s.rollout()))
-    with pytest.raises(ValueError, match="the batch has 0 rows"):
+    with pytest.raises(ValueError, match="the batch has 0 rows, fewer than world_size=1"):
         s.update(batch[[]])
     s.close()
     with pytest.raises(RuntimeError, match="'sampler' workers are closed"):
@@ -87,3 +87,35 @@ def test_dropout_is_off_in_the_trainer(tmp_path):
         mask_B_T = first["response_mask"].bool()
         assert (first["old_logp"] - first["sampler_logp"])[mask_B_T].abs().max() < 1e-4
         assert s.update(first)["clip_frac"] == 0.0
+
+
+def test_one_sample_per_prompt_is_refused_for_a_group_estimator():
+    with pytest.raises(ValueError, match="samples_per_prompt=1: algorithm 'grpo' compares the samples of a prompt"):
+        rl.Session(**SMALL | dict(samples_per_prompt=1), log_dir=None)
+    with rl.Session(**SMALL | dict(samples_per_prompt=1), log_dir=None, algorithm="reinforce_pp") as s:  # no groups
+        assert s.step()["reward_mean"] >= 0
+
+
+def test_a_stage_refuses_another_sessions_batch_naming_both():
+    with rl.Session(**SMALL, log_dir=None) as arithmetic, rl.Session(**SMALL | dict(task="reverse"), log_dir=None) as reverse:
+        batch = arithmetic.rollout()
+        assert batch.meta["session"]["task"].startswith("arithmetic (")
+        for stage in (reverse.score, reverse.advantage, reverse.update):
+            with pytest.raises(ValueError, match=r"this batch comes from another session \(.*arithmetic.*\), not this one "
+                                                 r"\(.*reverse"):
+                stage(batch)
+        arithmetic.update(arithmetic.advantage(arithmetic.score(batch)))  # its own session takes it
+
+
+def test_dynamic_sampling_that_keeps_few_groups_takes_fewer_mini_batches():
+    """DAPO with mini_batches_per_step=8 and one kept group of 4 rows: 4 optimizer steps of one row, no crash."""
+    algorithm = rl.algorithms.get("dapo").replace(max_filter_rounds=0)
+    with rl.Session(**SMALL, log_dir=None, algorithm=algorithm, mini_batches_per_step=8) as s:
+        batch = s.advantage(s.score(s.rollout()))
+        one_group = batch[batch["group_ids"] == batch["group_ids"][0]]
+        stats = s.update(one_group)
+        assert len(one_group) == 4 and stats["skipped"] == 0
+        assert policy_rank(s).optimizer.scheduler.last_epoch == 4  # four optimizer steps of one row
+    with pytest.raises(ValueError, match="dynamic sampling may keep a single group of samples_per_prompt=2 rows, fewer "
+                                         "than world_size=4"):
+        rl.Session(**SMALL | dict(samples_per_prompt=2, cluster="ray"), world_size=4, algorithm="dapo", log_dir=None)

@@ -3,6 +3,7 @@
 Every failure is recorded on its sample with the reason, never turned silently into a number:
 
     exception           "ZeroDivisionError: even operand"
+    not an Exception    "KeyboardInterrupt raised by the reward", "SystemExit(3) raised by the reward"
     hang                "timed out after 2.0 s"
     NaN / inf           "reward 'score' is nan"
     wrong type          "reward 'score' must be a number, got str 'yes'"
@@ -14,6 +15,8 @@ With `on_error="raise"` the first failure stops scoring with a `RewardError` nam
 
 Where rewards run:
 - `workers=1`, no `timeout_s`: one after another in the calling thread (`breakpoint()` works in a reward).
+  There a KeyboardInterrupt cannot be told from the user's Ctrl-C, so it stops scoring; elsewhere it is the
+  reward's failure, recorded on its sample.
 - threads (default otherwise): `workers` at a time. A sample past its `timeout_s` is recorded and left
   behind: a Python thread cannot be killed, so a reward stuck in a busy loop keeps a core (and the GIL)
   until it returns. Right for rewards that wait (HTTP judges, sandboxed subprocesses, a model on a GPU).
@@ -22,6 +25,9 @@ Where rewards run:
   parallel. The reward, completions and examples reach the children by fork (closures defined in a
   notebook work); results come back pickled; side effects of a reward (a cache) stay in the child.
   Do not use it for rewards that run torch models (fork after torch's threads started is unsafe).
+
+A Ctrl-C reaches the calling thread only (the worker processes ignore SIGINT): it stops scoring at once, the
+worker processes are killed and the worker threads take no further sample.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import math
 import multiprocessing
 import numbers
 import queue
+import signal
 import threading
 import time
 from collections import deque
@@ -143,19 +150,26 @@ def run_each(fn: Callable[[int], Any], n: int, *, workers: int = 1, timeout_s: f
     if processes:
         return _run_in_processes(fn, n, workers, timeout_s)
     if workers == 1 and timeout_s is None:
-        return [_call(fn, i) for i in range(n)]
+        return [_call(fn, i, in_caller=True) for i in range(n)]
     return _run_in_threads(fn, n, workers, timeout_s)
 
 
-def _call(fn, i) -> Outcome:
+def _call(fn, i, *, in_caller: bool = False) -> Outcome:
+    """A reward's failure is reported on its sample, whatever it raised, except a KeyboardInterrupt `in_caller`:
+    the calling thread is where the user's Ctrl-C lands, so there it stops scoring."""
     try:
         return fn(i), None
-    except (Exception, SystemExit) as e:  # a reward's bug is reported on its sample, with its type and message
+    except BaseException as e:  # an Exception, SystemExit, GeneratorExit, KeyboardInterrupt
+        if in_caller and isinstance(e, KeyboardInterrupt):
+            raise
         return None, _reason(e)
 
 
 def _reason(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
+    if isinstance(e, Exception):
+        return f"{type(e).__name__}: {e}"
+    arguments = f"({', '.join(map(repr, e.args))})" if e.args else ""  # SystemExit(3), not "SystemExit: 3"
+    return f"{type(e).__name__}{arguments} raised by the reward"  # not the user's Ctrl-C, not an exit
 
 
 def _timed_out(timeout_s: float) -> Outcome:
@@ -164,7 +178,8 @@ def _timed_out(timeout_s: float) -> Outcome:
 
 def _run_in_threads(fn, n: int, workers: int, timeout_s: float | None) -> list[Outcome]:
     """`workers` daemon threads take samples from a queue (a hung one never blocks interpreter exit). A sample
-    past its timeout is recorded and its thread left behind, replaced by a new one; its late result is dropped."""
+    past its timeout is recorded and its thread left behind, replaced by a new one; its late result is dropped.
+    If the caller stops waiting (Ctrl-C), the queue is emptied: each thread ends when its reward returns."""
     results: list[Outcome | None] = [None] * n
     todo, finished = queue.SimpleQueue(), queue.SimpleQueue()
     for i in range(n):
@@ -185,20 +200,24 @@ def _run_in_threads(fn, n: int, workers: int, timeout_s: float | None) -> list[O
 
     for _ in range(min(workers, n)):
         spawn()
-    while any(r is None for r in results):
-        running = {i: t for i, t in list(started.items()) if results[i] is None}
-        try:
-            done = [finished.get(timeout=_time_left(running, timeout_s))]
-            while not finished.empty():
-                done.append(finished.get())
-        except queue.Empty:
-            done = []
-        for i, outcome in done:
-            results[i] = results[i] or outcome  # a late result of a timed-out sample is dropped
-        for i in _expired(running, timeout_s):
-            if results[i] is None:
-                results[i] = _timed_out(timeout_s)
-                spawn()
+    try:
+        while any(r is None for r in results):
+            running = {i: t for i, t in list(started.items()) if results[i] is None}
+            try:
+                done = [finished.get(timeout=_time_left(running, timeout_s))]
+                while not finished.empty():
+                    done.append(finished.get())
+            except queue.Empty:
+                done = []
+            for i, outcome in done:
+                results[i] = results[i] or outcome  # a late result of a timed-out sample is dropped
+            for i in _expired(running, timeout_s):
+                if results[i] is None:
+                    results[i] = _timed_out(timeout_s)
+                    spawn()
+    finally:
+        while not todo.empty():
+            todo.get_nowait()
     return results
 
 
@@ -250,6 +269,9 @@ def _run_in_processes(fn, n: int, workers: int, timeout_s: float | None) -> list
 
 
 def _worker(fn, connection) -> None:
+    # A Ctrl-C at the terminal signals the whole process group; the parent alone acts on it (and kills this
+    # process). A handler that does nothing, not SIG_IGN, which programs the reward runs would inherit.
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
     while (i := connection.recv()) is not None:
         outcome = _call(fn, i)
         try:

@@ -7,9 +7,10 @@ vLLM builds them itself from the names the sampler passes (`logits_processors=[.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-from vllm.platforms import current_platform
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 
@@ -40,16 +41,38 @@ class TemperatureScaledLogprobs(LogitsProcessor):
 class WeightLoader:
     """Mixed into vLLM's worker class: replace the model's weights while the engine runs."""
 
-    def rlbench_load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def rlbench_load_weights(self, weights: dict[str, torch.Tensor], packing_threads: int | None = None) -> None:
         """Load a full state dict with checkpoint (Hugging Face) names.
 
         `reload_weights` rebuilds each layer from checkpoint-format tensors and repeats the loader's
         post-processing (plain `model.load_weights` fails after start-up on CPU, where linear weights are
-        repacked). On CPU a tied LM head keeps a packed copy of the embedding that no checkpoint name
-        reaches: repack every layer that kept its weight next to a packed copy.
+        repacked for oneDNN). Two things on CPU make a reload differ from a fresh start unless handled here:
+        - The packed layout oneDNN picks depends on the torch thread count at packing time (on AVX2, a
+          192-wide layer is packed in 16-wide blocks under 2 threads, 64-wide under 1), but vLLM keeps one
+          oneDNN kernel per weight shape for the whole process, made for the layout of the first weight of
+          that shape: a weight packed under another count is read in the wrong layout. So packing runs with
+          `packing_threads` threads, the count of every packing in this process (None: as they are).
+        - A tied LM head shares the embedding's weight but keeps its own packed copy, which no checkpoint
+          name reaches: repack each layer whose weight is that of a repacked layer.
         """
-        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        if current_platform.is_cpu():
-            for module in self.model_runner.model.modules():
-                if hasattr(module, "cpu_linear") and module.weight.numel() > 0:
+        model = self.model_runner.model
+        gemms = {module: module.cpu_linear for module in model.modules() if hasattr(module, "cpu_linear")}
+        with _torch_threads(packing_threads):
+            self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+            repacked = {id(module.weight) for module, gemm in gemms.items() if module.cpu_linear is not gemm}
+            for module, gemm in gemms.items():
+                if module.cpu_linear is gemm and id(module.weight) in repacked:
                     dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None):
+    """Run with `threads` torch threads (None: as they are), then restore the count."""
+    before = torch.get_num_threads()
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 from rlbench.models.chat import encode_prompt, render_prompt
@@ -23,7 +24,7 @@ from rlbench.tasks.synthetic import Countdown, ListTask, Multiplication, Reverse
 
 __all__ = [
     "Arithmetic", "Countdown", "DataTask", "ListTask", "Multiplication", "Reverse", "Sort", "Task", "check_row",
-    "check_prompts", "convert_files", "encode_prompt", "from_jsonl", "from_parquet", "get", "limit_prompt_tokens", "longest_prompt_tokens", "names",
+    "check_prompts", "convert_files", "encode_prompt", "fingerprint", "from_jsonl", "from_parquet", "get", "limit_prompt_tokens", "longest_prompt_tokens", "names",
     "prompt_tokens", "read_records", "read_rows", "render_prompt", "shuffled", "split", "write_rows",
 ]
 
@@ -53,3 +54,12 @@ def get(task: str | Task, **kwargs) -> Task:
     if task not in _BUILTINS:
         raise ValueError(f"unknown task {task!r}; built-in tasks: {', '.join(names())}")
     return _BUILTINS[task](**kwargs)
+
+
+def fingerprint(task: Task) -> str:
+    """A short identity of a task: its name, split sizes and a hash of a few of its prompts (first and last
+    train examples, first test example)."""
+    train, test = task.train, task.test
+    sample = [train[i]["prompt"] for i in sorted({0, len(train) - 1})] + [test[0]["prompt"] for _ in test[:1]]
+    digest = hashlib.sha1(repr(sample).encode()).hexdigest()[:10]
+    return f"{getattr(task, 'name', type(task).__name__)} ({len(train)} train, {len(test)} test, {digest})"
