@@ -119,3 +119,16 @@ def test_dynamic_sampling_that_keeps_few_groups_takes_fewer_mini_batches():
     with pytest.raises(ValueError, match="dynamic sampling may keep a single group of samples_per_prompt=2 rows, fewer "
                                          "than world_size=4"):
         rl.Session(**SMALL | dict(samples_per_prompt=2, cluster="ray"), world_size=4, algorithm="dapo", log_dir=None)
+
+
+def test_restore_skips_a_damaged_newest_checkpoint_saying_why(tmp_path):
+    with rl.Session(**SMALL, log_dir=None) as s:
+        s.step()
+        older = s.save(tmp_path)
+        s.step()
+        newest = s.save(tmp_path)
+    shard = next((newest / "policy").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.warns(UserWarning, match=r"step-000002.*distcp is truncated"):
+        with rl.Session.restore(tmp_path) as restored:
+            assert restored.step_count == 1 and older.name == "step-000001"
