@@ -123,9 +123,28 @@ def test_weight_sync_without_restart(sampler, tiny, rows):
     assert isinstance(state["model.norm.weight"].numpy(), np.ndarray)
 
 
-def test_engine_leaves_the_process_as_it_found_it(tiny_dir, sampler, rows):
-    """Building an engine restores seeds and torch threads; a process holds one engine at a time; shutting
-    one down keeps torch.distributed's default group, which an inline policy shares."""
+def test_weights_load_the_same_under_any_thread_count(sampler, tiny, rows):
+    """On CPU the layout of packed weights depends on the torch thread count at packing time, and vLLM shares
+    its kernels between all weights of a shape in the process: a load under any count (the engine started
+    under the machine's default) gives the same engine, bit for bit."""
+    model, _ = tiny
+    greedy = SamplingParams(temperature=0, max_new_tokens=5)
+    before = sampler.generate(rows, greedy)
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        sampler.load_weights(model.state_dict())
+        assert torch.get_num_threads() == threads
+        torch.set_num_threads(1)
+        after = sampler.generate(rows, greedy)
+        assert torch.equal(after["response_ids"], before["response_ids"]), threads
+        assert torch.equal(after["sampler_logp"], before["sampler_logp"]), threads
+
+
+def test_engine_leaves_the_process_as_it_found_it(tiny_dir, sampler, rows, tmp_path):
+    """Building an engine restores seeds and torch threads; a process holds one engine at a time. The engine
+    owns torch.distributed's default group (its shutdown destroys it, nothing is patched to stop that), and a
+    one-rank policy needs none: it trains and checkpoints after an engine came and went."""
+    destroy = dist.destroy_process_group
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
@@ -139,12 +158,21 @@ def test_engine_leaves_the_process_as_it_found_it(tiny_dir, sampler, rows):
         with pytest.raises(RuntimeError, match="closed"):
             sampler.generate(rows, SamplingParams(temperature=0))
         assert len(second.generate(rows, SamplingParams(temperature=0))) == len(rows)
+        assert dist.destroy_process_group is destroy
     finally:
         del second  # garbage-collected: shut down like close()
         gc.collect()
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    assert total.item() == 1.0
+    assert dist.destroy_process_group is destroy
+    policy = rl.policy.Policy(tiny_dir, rl.policy.training.OptimSettings(lr=1e-3))
+    rollout = HFSampler.from_pretrained(tiny_dir).generate(rows, SamplingParams(n=2, seed=1))
+    ids_B_P, mask_B_P = left_pad([rows[i // 2] for i in range(len(rollout))], 0)
+    batch = rollout.with_columns(prompt_ids=ids_B_P, prompt_mask=mask_B_P, advantages=torch.ones_like(rollout["sampler_logp"]))
+    algorithm = rl.algorithms.get("grpo").replace(kl_coef=0.0)
+    policy.forward_backward(batch.with_columns(old_logp=policy.log_probs(batch)), algorithm,
+                            num_tokens=int(batch["response_mask"].sum()), num_seqs=len(batch), norm_length=8)
+    assert policy.optim_step()["skipped"] == 0.0
+    policy.save_checkpoint(str(tmp_path / "policy"))
+    assert (tmp_path / "policy" / "rank0.pt").is_file()
 
 
 @pytest.mark.slow
@@ -152,7 +180,7 @@ def test_grpo_learns_arithmetic_with_the_vllm_sampler(tiny_dir):
     """tests/test_session.py's learning run, sampling with vLLM (a new engine: this module's one closes)."""
     s = rl.Session(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", seed=0,
                    sampler="vllm", prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, lr=1e-4, threads=1)
-    assert s.sampler_choice.startswith("vllm"), s.sampler_choice
+    assert s.sampler.choice.startswith("vllm"), s.sampler.choice
     before = s.evaluate()["greedy_accuracy"]
     metrics = s.run(steps=100, progress=False)
     after = s.evaluate()["greedy_accuracy"]
@@ -172,7 +200,7 @@ def test_an_exported_policy_loads_in_vllm_with_the_same_greedy_completions(tmp_p
         folder = s.export(tmp_path / "model")
         prompts = [e["prompt"] for e in s.task.test[:32]]
         expected = s.complete(prompts)
-        rows = [s.encode_prompt(p) for p in prompts]
+        rows = [s.sampler.encode_prompt(p) for p in prompts]
     exported = VLLMSampler.from_pretrained(folder)
     try:
         out = exported.generate(rows, SamplingParams(max_new_tokens=8, temperature=0))

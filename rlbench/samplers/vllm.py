@@ -8,7 +8,9 @@ Ray actor; new weights reach the worker as tensors by reference, never serialize
 
 One engine per process at a time: in-process engines share process-wide state (torch.distributed groups),
 and shutting one down breaks the others. Building a VLLMSampler therefore closes the process's previous
-one; using a closed sampler raises.
+one; using a closed sampler raises. The engine owns the process's default torch.distributed group (it makes
+one, and its shutdown destroys it): rlbench's own one-rank workers use no process group, so nothing of
+theirs depends on it.
 
 Log-probs: each sampled token's log-prob under the temperature-scaled distribution, untruncated by top-k /
 top-p (greedy: at temperature 1), exactly what `HFSampler` reports and the policy recomputes; see
@@ -44,6 +46,10 @@ MAX_MODEL_LEN = 4096
 
 _live: weakref.ref | None = None
 """The process's open VLLMSampler, if any (see the module docstring)."""
+_cpu_packing_threads: int | None = None
+"""Torch threads of every CPU engine start and weight load of this process: those of its first engine's start.
+vLLM shares its oneDNN kernels between all weights of a shape in the process, and the weight layout they expect
+depends on the thread count at packing time (see `vllm_worker.WeightLoader.rlbench_load_weights`)."""
 
 
 def available() -> tuple[bool, str]:
@@ -75,7 +81,7 @@ class VLLMSampler:
                  stop_token_ids: Sequence[int] = (), dtype: str = "float32", kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
                  gpu_memory_utilization: float | None = None, sleep_mode: bool = False):
-        global _live
+        global _live, _cpu_packing_threads
         with _quiet_vllm():
             from vllm import LLM
             from vllm.platforms import current_platform
@@ -87,6 +93,9 @@ class VLLMSampler:
         self.device = "cpu" if current_platform.is_cpu() else "cuda"
         self.asleep = False
         on_cpu = self.device == "cpu"
+        if on_cpu and _cpu_packing_threads is None:
+            _cpu_packing_threads = torch.get_num_threads()
+        self._packing_threads = _cpu_packing_threads if on_cpu else None
         self.pad_token_id = pad_token_id
         self.stop_token_ids = sorted({eos_token_id, *stop_token_ids})
         self.weight_names = _checkpoint_names(Path(model_dir))
@@ -94,7 +103,7 @@ class VLLMSampler:
         memory = (dict(kv_cache_memory_bytes=kv_cache_bytes or CPU_KV_CACHE_BYTES) if on_cpu else
                   dict(kv_cache_memory_bytes=kv_cache_bytes) if kv_cache_bytes else
                   dict(gpu_memory_utilization=gpu_memory_utilization or GPU_MEMORY_UTILIZATION))
-        with _engine_in_this_process(), _quiet_vllm():
+        with _engine_in_this_process(self._packing_threads), _quiet_vllm():
             self.llm = LLM(
                 model=str(model_dir), dtype=dtype, seed=0, **memory,
                 max_model_len=max_model_len or min(MAX_MODEL_LEN, limit or MAX_MODEL_LEN),
@@ -103,8 +112,7 @@ class VLLMSampler:
                 use_tqdm_on_load=False,
                 logprobs_mode="processed_logits", logits_processors=[TemperatureScaledLogprobs],
                 worker_extension_cls="rlbench.samplers.vllm_worker.WeightLoader")
-        # shut down by us, not by vLLM's own finalizer: see _keep_default_process_group
-        self._finalizer = weakref.finalize(self, _shut_down, self.llm.llm_engine.engine_core)
+        self._finalizer = weakref.finalize(self, self.llm.llm_engine.engine_core.shutdown)
         _live = weakref.ref(self)
 
     @classmethod
@@ -167,7 +175,7 @@ class VLLMSampler:
             tensors = {k: tensors[k] for k in sorted(self.weight_names)}
         if self.asleep:  # weights first, the KV cache after: the transfer never sits next to a full KV cache
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("rlbench_load_weights", args=(tensors,))
+        self.llm.collective_rpc("rlbench_load_weights", args=(tensors, self._packing_threads))
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -206,14 +214,16 @@ class VLLMSampler:
 
 
 @contextlib.contextmanager
-def _engine_in_this_process():
-    """Start vLLM's engine in this process, and undo what that start does to the process: the global
-    seeds it sets, the torch thread count it lowers to 1, and `torch.set_num_threads` (its CPU worker
-    replaces it with a no-op)."""
+def _engine_in_this_process(start_threads: int | None = None):
+    """Start vLLM's engine in this process (with `start_threads` torch threads; None: as they are), and undo what
+    that start does to the process: the global seeds it sets, the torch thread count it lowers to 1, and
+    `torch.set_num_threads` (its CPU worker replaces it with a no-op)."""
     saved_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     saved = (torch.get_num_threads(), torch.set_num_threads, torch.random.get_rng_state(), np.random.get_state(),
              random.getstate(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if start_threads is not None:
+        torch.set_num_threads(start_threads)
     try:
         yield
     finally:
@@ -230,40 +240,21 @@ def _engine_in_this_process():
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved_env
 
 
-def _shut_down(engine_client) -> None:
-    """Shut an in-process engine down (on `close()`, or when its sampler is garbage-collected)."""
-    with _keep_default_process_group():
-        engine_client.shutdown()
-
-
-@contextlib.contextmanager
-def _keep_default_process_group():
-    """vLLM's shutdown destroys torch.distributed's default group, which it shares with an inline policy
-    (it joins the group it finds, or makes one that the policy then joins): keep it, drop only vLLM's own."""
-    import torch.distributed as dist
-
-    destroy = dist.destroy_process_group
-
-    def destroy_all_but_default(group=None):
-        if group is not None:
-            destroy(group)
-
-    dist.destroy_process_group = destroy_all_but_default
-    try:
-        yield
-    finally:
-        dist.destroy_process_group = destroy
-
-
 @contextlib.contextmanager
 def _quiet_vllm():
     """vLLM logs two dozen lines per engine start (a traceback among them, for the chat template it cannot
-    warm up without a tokenizer): only errors, unless the user chose VLLM_LOGGING_LEVEL. Hide the
-    FutureWarning its start raises about torch.distributed.reduce_op."""
+    warm up without a tokenizer): only errors, unless the user chose VLLM_LOGGING_LEVEL (vLLM reads it when
+    first imported, inside this block; the variable is as it was after). Hide the FutureWarning its start
+    raises about torch.distributed.reduce_op."""
+    saved = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        yield
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
 
 
 def _checkpoint_names(model_dir: Path) -> set[str] | None:
