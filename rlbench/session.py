@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from rlbench import algorithms, checkpoints, interrupts, models, resume, tasks
+from rlbench import algorithms, checkpoints, interrupts, preflight, resume, tasks
 from rlbench.batch import Batch
 from rlbench.cluster import WorkerDied
 from rlbench.config import Config, make_config
@@ -27,7 +27,7 @@ from rlbench.runs import RunLock, new_run_name
 from rlbench.samplers import SamplingParams
 from rlbench.sinks import make_sinks
 from rlbench.state import SessionState, mix
-from rlbench.workers import check_sampler, start_workers
+from rlbench.workers import start_workers
 
 
 class Session:
@@ -38,27 +38,7 @@ class Session:
             raise TypeError(f"config must be an rl.Config or None, got {type(config).__name__}")
         self.config = cfg = make_config(**(config.to_dict() if config else {}) | overrides)
         self.algorithm = algorithms.get(cfg.algorithm)
-        if cfg.on_policy_old_logp and (self.algorithm.correction is not None or self.algorithm.reward_kl_coef):
-            raise ValueError(f"on_policy_old_logp: algorithm {self.algorithm.name!r} reads old_logp before the "
-                             "update (rollout correction or KL in the reward)")
-        if cfg.samples_per_prompt == 1 and "group_ids" in algorithms.declared(self.algorithm.advantage, {"group_ids": 0}):
-            raise ValueError(f"samples_per_prompt=1: algorithm {self.algorithm.name!r} compares the samples of a prompt "
-                             f"(its advantage declares group_ids), and one sample has none to compare with (GRPO would "
-                             f"train on raw rewards): use samples_per_prompt >= 2, or an estimator without groups")
-        if self.algorithm.filter_groups and cfg.samples_per_prompt < cfg.world_size:
-            raise ValueError(f"dynamic sampling may keep a single group of samples_per_prompt={cfg.samples_per_prompt} "
-                             f"rows, fewer than world_size={cfg.world_size} ranks: raise samples_per_prompt")
-        self.task = tasks.get(cfg.task)
-        check_sampler(cfg.sampler, cfg.cluster)
-        self.model_dir = str(models.resolve(cfg.model))
-        self.tokenizer = models.load_tokenizer(self.model_dir)
-        tasks.check_prompts(self.task)
-        self.task = tasks.limit_prompt_tokens(self.task, self.tokenizer, cfg.max_prompt_tokens, on_long=cfg.long_prompts)
-        room = models.prompt_room(self.model_dir, cfg.max_new_tokens)
-        longest = cfg.max_prompt_tokens or tasks.longest_prompt_tokens(
-            self.tokenizer, [*self.task.train, *self.task.test], fits=lambda n: room is None or n <= room)
-        models.check_fits(self.model_dir, self.tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
-                          max_new_tokens=cfg.max_new_tokens, longest_prompt_tokens=longest)
+        self.task, self.model_dir, self.tokenizer = preflight.prepare(cfg, self.algorithm)
         self.identity = {"model": self.model_dir, "tokenizer": f"{type(self.tokenizer).__name__}, {len(self.tokenizer)} tokens",
                          "task": tasks.fingerprint(self.task)}
         """What the batches of this session carry (`meta["session"]`): its stages refuse another session's."""

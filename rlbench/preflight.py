@@ -1,0 +1,42 @@
+"""What a session checks before it starts a worker: the run's worst case, against the algorithm, the task and
+the model. Every failure is a ValueError naming the setting, the example or the file, and the fix."""
+
+from __future__ import annotations
+
+from rlbench import algorithms, models, tasks
+from rlbench.algorithms import Algorithm
+from rlbench.config import Config
+from rlbench.workers import check_sampler
+
+
+def prepare(cfg: Config, algorithm: Algorithm):
+    """(task, model directory, tokenizer) of a checked run: the settings fit the algorithm, every prompt is
+    usable (too-long ones refused or dropped), the model's vocabulary covers the tokenizer's and its context
+    the longest prompt plus `max_new_tokens`."""
+    check_algorithm(cfg, algorithm)
+    task = tasks.get(cfg.task)
+    check_sampler(cfg.sampler, cfg.cluster)
+    model_dir = str(models.resolve(cfg.model))
+    tokenizer = models.load_tokenizer(model_dir)
+    tasks.check_prompts(task)
+    task = tasks.limit_prompt_tokens(task, tokenizer, cfg.max_prompt_tokens, on_long=cfg.long_prompts)
+    room = models.prompt_room(model_dir, cfg.max_new_tokens)
+    longest = cfg.max_prompt_tokens or tasks.longest_prompt_tokens(
+        tokenizer, [*task.train, *task.test], fits=lambda n: room is None or n <= room)
+    models.check_fits(model_dir, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens,
+                      longest_prompt_tokens=longest)
+    return task, model_dir, tokenizer
+
+
+def check_algorithm(cfg: Config, algorithm: Algorithm) -> None:
+    """The settings that cannot work with this algorithm."""
+    if cfg.on_policy_old_logp and (algorithm.correction is not None or algorithm.reward_kl_coef):
+        raise ValueError(f"on_policy_old_logp: algorithm {algorithm.name!r} reads old_logp before the update "
+                         "(rollout correction or KL in the reward)")
+    if cfg.samples_per_prompt == 1 and "group_ids" in algorithms.declared(algorithm.advantage, {"group_ids": 0}):
+        raise ValueError(f"samples_per_prompt=1: algorithm {algorithm.name!r} compares the samples of a prompt (its "
+                         f"advantage declares group_ids), and one sample has none to compare with (GRPO would train "
+                         f"on raw rewards): use samples_per_prompt >= 2, or an estimator without groups")
+    if algorithm.filter_groups and cfg.samples_per_prompt < cfg.world_size:
+        raise ValueError(f"dynamic sampling may keep a single group of samples_per_prompt={cfg.samples_per_prompt} "
+                         f"rows, fewer than world_size={cfg.world_size} ranks: raise samples_per_prompt")
