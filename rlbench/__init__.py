@@ -5,12 +5,22 @@ touched) and loads no plotting library: `rl.viz` (matplotlib, pandas) is importe
 """
 
 import importlib
+import os
 
-from rlbench import algorithms, interrupts, models, rewards, samplers, tasks, workers
-from rlbench.batch import Batch
-from rlbench.cluster import Ray
-from rlbench.config import Config
-from rlbench.session import Session
+_environment = dict(os.environ)
+
+from rlbench import algorithms, interrupts, models, rewards, samplers, tasks, workers  # noqa: E402
+from rlbench.batch import Batch  # noqa: E402
+from rlbench.cluster import Ray  # noqa: E402
+from rlbench.config import Config  # noqa: E402
+from rlbench.session import Session  # noqa: E402
+
+# torch._dynamo, imported with transformers' model classes, writes TORCHINDUCTOR_CACHE_DIR into the environment
+# when first imported: put the environment back as it was (torch sets the variable again if it compiles)
+for _name in set(os.environ) - set(_environment):
+    del os.environ[_name]
+os.environ.update(_environment)
+del _environment
 
 __all__ = ["Batch", "Config", "Ray", "Session", "algorithms", "interrupts", "models", "rewards", "samplers", "tasks", "viz", "workers"]
 __version__ = "0.1.0"
