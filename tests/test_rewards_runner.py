@@ -1,7 +1,9 @@
 """The reward runner: parallel scoring with a timeout; every failure recorded with the sample and the reason."""
 
 import math
+import multiprocessing
 import os
+import signal
 import threading
 import time
 
@@ -67,7 +69,93 @@ def test_bool_int_and_numpy_scores_are_numbers():
 
 def test_sys_exit_in_a_reward_is_a_failure_not_an_exit():
     scores = score_all(lambda c, e: exit(3), ["a"], [{}], on_error="zero")
-    assert scores.error == ["SystemExit: 3"]
+    assert scores.error == ["SystemExit(3) raised by the reward"]
+
+
+def _raising(make_exception):
+    def reward(completion, example):
+        if completion == "oops":
+            raise make_exception()
+        return 1.0
+    return reward
+
+
+NOT_EXCEPTIONS = [  # BaseExceptions that are not Exceptions, and the reason recorded
+    (KeyboardInterrupt, "KeyboardInterrupt raised by the reward"),
+    (lambda: SystemExit(3), "SystemExit(3) raised by the reward"),
+    (GeneratorExit, "GeneratorExit raised by the reward"),
+]
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize(("make_exception", "reason"), NOT_EXCEPTIONS, ids=[r.split()[0] for _, r in NOT_EXCEPTIONS])
+def test_keyboard_interrupt_or_system_exit_raised_by_a_reward_fails_its_sample_at_once(make_exception, reason,
+                                                                                      workers, processes):
+    # It used to end the worker thread, so the sample was "timed out after 10 s" after 10 s (and, with one worker,
+    # every later sample waited for that too); a worker process died ("exit code 1") with a traceback.
+    start = time.monotonic()
+    scores = score_all(_raising(make_exception), COMPLETIONS * 2, EXAMPLES * 2, on_error="zero", timeout_s=10,
+                       workers=workers, processes=processes)
+    assert time.monotonic() - start < 3
+    assert scores.error == [None, None, None, reason] * 2 and scores.score == [1.0, 1.0, 1.0, 0.0] * 2
+    start = time.monotonic()
+    with pytest.raises(RewardError) as raised:
+        score_all(_raising(make_exception), COMPLETIONS, EXAMPLES, timeout_s=10, workers=workers, processes=processes)
+    assert time.monotonic() - start < 3
+    assert str(raised.value) == f"reward failed on sample 3 (completion 'oops'): {reason}"
+
+
+def test_threads_without_a_timeout_record_a_keyboard_interrupt_raised_by_a_reward():
+    # It used to wait forever for the sample of the thread it ended.
+    scores = score_all(_raising(KeyboardInterrupt), COMPLETIONS, EXAMPLES, on_error="zero", workers=4)
+    assert scores.error == [None, None, None, "KeyboardInterrupt raised by the reward"]
+
+
+def test_in_the_calling_thread_a_keyboard_interrupt_stops_scoring():
+    """There it cannot be told from the user's Ctrl-C; GeneratorExit and SystemExit are failures as anywhere."""
+    with pytest.raises(KeyboardInterrupt):
+        score_all(_raising(KeyboardInterrupt), COMPLETIONS, EXAMPLES, on_error="zero")
+    scores = score_all(_raising(GeneratorExit), COMPLETIONS, EXAMPLES, on_error="zero")
+    assert scores.error == [None, None, None, "GeneratorExit raised by the reward"]
+
+
+@pytest.fixture
+def default_sigint_handler():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+CTRL_C_MODES = [dict(), dict(workers=1, timeout_s=30), dict(workers=4), dict(workers=1, processes=True),
+                dict(workers=4, processes=True, timeout_s=30)]
+
+
+@pytest.mark.parametrize("mode", CTRL_C_MODES, ids=["serial", "1-thread", "4-threads", "1-process", "4-processes"])
+def test_the_users_ctrl_c_stops_scoring_at_once_and_the_workers_with_it(mode, default_sigint_handler, capfd):
+    """Sample 3 presses Ctrl-C: SIGINT to the caller's process, and to the reward's process as a terminal does."""
+    caller, called = os.getpid(), []
+
+    def reward(completion, example):
+        called.append(completion)
+        if completion == "ctrl-c":
+            if os.getpid() != caller:  # a worker process
+                os.kill(os.getpid(), signal.SIGINT)
+            os.kill(caller, signal.SIGINT)
+        time.sleep(0.1)
+        return 1.0
+
+    before = set(threading.enumerate())
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        score_all(reward, ["a"] * 3 + ["ctrl-c"] + ["a"] * 300, [{}] * 304, **mode)  # 30 s to score them all
+    assert time.monotonic() - start < 3
+    calls_when_stopped = len(called)
+    time.sleep(0.5)  # each worker thread finishes its sample (0.1 s) and takes no other
+    assert len(called) == calls_when_stopped
+    assert [t for t in threading.enumerate() if t not in before] == []
+    assert [p for p in multiprocessing.active_children() if p.name == "reward-worker"] == []
+    assert "Traceback" not in capfd.readouterr().err  # no worker process died of the Ctrl-C with a traceback
 
 
 def _hangs_on_sample_2(completion, example):

@@ -198,9 +198,9 @@ def _run_in_threads(fn, n: int, workers: int, timeout_s: float | None) -> list[O
     def spawn():
         threading.Thread(target=work, daemon=True, name="reward-worker").start()
 
-    for _ in range(min(workers, n)):
-        spawn()
     try:
+        for _ in range(min(workers, n)):
+            spawn()
         while any(r is None for r in results):
             running = {i: t for i, t in list(started.items()) if results[i] is None}
             try:
@@ -222,49 +222,57 @@ def _run_in_threads(fn, n: int, workers: int, timeout_s: float | None) -> list[O
 
 
 def _run_in_processes(fn, n: int, workers: int, timeout_s: float | None) -> list[Outcome]:
-    """Forked workers, one sample at a time each; a worker past the timeout is killed and replaced."""
+    """Forked workers, one sample at a time each; a worker past the timeout is killed and replaced. Whatever
+    stops the loop (a Ctrl-C between any two lines), every worker in `alive` is killed."""
     context = multiprocessing.get_context("fork")
     results: list[Outcome | None] = [None] * n
-    todo, idle, busy = deque(range(n)), [], {}  # busy: connection -> (process, sample, start time)
+    todo, idle = deque(range(n)), []
+    alive, busy = {}, {}  # connection -> its process; connection -> (its sample, when it started)
 
     def spawn():
         parent_end, child_end = context.Pipe()
         process = context.Process(target=_worker, args=(fn, child_end), daemon=True, name="reward-worker")
         process.start()
         child_end.close()
-        return process, parent_end
+        alive[parent_end] = process
+        idle.append(parent_end)
 
-    idle = [spawn() for _ in range(min(workers, n))]
+    def retire(connection) -> int:
+        """Kill the worker (if still running), reap it, forget it; its exit code."""
+        process = alive.pop(connection)
+        process.kill()
+        process.join()
+        connection.close()
+        return process.exitcode
+
     try:
+        for _ in range(min(workers, n)):
+            spawn()
         while todo or busy:
             while todo and idle:
-                process, connection = idle.pop()
-                i = todo.popleft()
+                connection, i = idle.pop(), todo.popleft()
                 connection.send(i)
-                busy[connection] = (process, i, time.monotonic())
-            starts = {i: start for _, i, start in busy.values()}
+                busy[connection] = (i, time.monotonic())
+            starts = {i: start for i, start in busy.values()}
             for connection in wait_for_connections(list(busy), timeout=_time_left(starts, timeout_s)):
-                process, i, _ = busy.pop(connection)
+                i, _ = busy.pop(connection)
                 try:
                     results[i] = connection.recv()
-                    idle.append((process, connection))
+                    idle.append(connection)
                 except EOFError:  # it died: os._exit, a segfault, the OOM killer
-                    process.join()
-                    results[i] = (None, f"the reward's worker process died (exit code {process.exitcode})")
-                    idle.append(spawn())
+                    alive[connection].join()  # its own exit code, not the kill's
+                    results[i] = (None, f"the reward's worker process died (exit code {retire(connection)})")
+                    spawn()
             expired = set(_expired(starts, timeout_s))
-            for connection, (process, i, _) in list(busy.items()):
+            for connection, (i, _) in list(busy.items()):
                 if i in expired:
-                    process.kill()
-                    process.join()
                     del busy[connection]
+                    retire(connection)
                     results[i] = _timed_out(timeout_s)
-                    idle.append(spawn())
+                    spawn()
     finally:
-        for process, connection in [*idle, *[(p, c) for c, (p, _, _) in busy.items()]]:
-            process.kill()
-            process.join()
-            connection.close()
+        for connection in list(alive):
+            retire(connection)
     return results
 
 
