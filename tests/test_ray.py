@@ -182,3 +182,14 @@ def test_a_world_size_the_cluster_cannot_hold_is_named(tiny_dir):
     with pytest.raises(ValueError, match=rf"world_size=16 \(placement='colocated': 18 worker processes at "
                                          rf"cpus_per_worker=1\) needs 18 CPUs but the Ray cluster has {cpus:g}"):
         rl.Session(**CONFIG, cluster="ray", world_size=16)
+
+
+def test_dynamic_sampling_that_keeps_one_group_still_updates_on_two_ranks(tiny_dir):
+    """DAPO, world_size=2, mini_batches_per_step=8, and one kept group of 4 rows: 2 mini-batches of a row per
+    rank, not 'cannot split 1 rows across 2 ranks' mid-run."""
+    algorithm = rl.algorithms.get("dapo").replace(max_filter_rounds=0)
+    small = CONFIG | dict(algorithm=algorithm, prompts_per_step=4, samples_per_prompt=4, mini_batches_per_step=8)
+    with rl.Session(**small, cluster="ray", world_size=2) as s:
+        batch = s.advantage(s.score(s.rollout()))
+        stats = s.update(batch[batch["group_ids"] == batch["group_ids"][0]])
+        assert stats["skipped"] == 0 and stats["grad_norm"] >= 0
