@@ -116,7 +116,8 @@ class Session:
         """Add the task's `score` [B] (and its named components, e.g. `acc`, listed in `meta["reward_components"]`),
         `reward_error` per sample, and `reward` [B]: the score plus the algorithm's shaping (DAPO's overlong
         penalty), what advantages use."""
-        cfg, algorithm = self._mine(batch, "score"), self.algorithm
+        self._check_origin(batch, "score")
+        cfg, algorithm = self.config, self.algorithm
         with self._timed("score"):
             score_B, components, errors = self.scorer.score(batch["completion"], batch["example"], batch["finished"])
             columns = {"score": score_B, "reward_error": errors, **components}
@@ -134,7 +135,8 @@ class Session:
         """Add `old_logp`, and what the algorithm declares it needs (`ref_logp`, critic `values`, rollout
         correction weights), the token rewards (with KL-in-reward if declared), `advantages`, `returns`.
         Changes no session state: running it twice on a batch gives the same batch."""
-        algorithm, cfg = self.algorithm, self._mine(batch, "advantage")
+        self._check_origin(batch, "advantage")
+        algorithm, cfg = self.algorithm, self.config
         with self._timed("advantage"):
             mask_B_T = batch["response_mask"].float()
             columns, meta = {}, {}
@@ -168,7 +170,8 @@ class Session:
         """Optimizer step(s) over the batch (and the critic's, if any), then push the new weights to the
         sampler (unless `sync=False`); returns the metrics averaged over optimizer steps. A batch with fewer
         than `world_size x mini_batches_per_step` rows (dynamic sampling kept few groups) takes fewer steps."""
-        cfg = self._mine(batch, "update")
+        self._check_origin(batch, "update")
+        cfg = self.config
         # dynamic sampling may keep fewer rows than planned: then fewer mini-batches, each with a row per rank
         minis = min(cfg.mini_batches_per_step, len(batch) // cfg.world_size)
         if minis == 0:
@@ -401,14 +404,13 @@ class Session:
             result[f"{mode}_reward"] = float(scored["score"].mean())
         return result
 
-    def _mine(self, batch: Batch, stage: str) -> Config:
-        """This session's config, after checking that `batch` is not another session's (another model, tokenizer
-        or task: its token ids and examples would mean something else here)."""
+    def _check_origin(self, batch: Batch, stage: str) -> None:
+        """ValueError when `batch` is another session's (another model, tokenizer or task: its token ids and
+        examples would mean something else here)."""
         theirs = batch.meta.get("session")
         if theirs is not None and theirs != self.identity:
             raise ValueError(f"{stage}: this batch comes from another session ({theirs}), not this one "
                              f"({self.identity}): its token ids and examples mean something else here")
-        return self.config
 
     def _generate(self, examples: list[dict], params: SamplingParams) -> Batch:
         batch = self.sampler.generate(examples, params)
