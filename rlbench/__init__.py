@@ -9,7 +9,8 @@ import os
 
 _environment = dict(os.environ)
 
-from rlbench import algorithms, interrupts, models, rewards, samplers, tasks, workers  # noqa: E402
+from rlbench import agents, algorithms, interrupts, models, rewards, samplers, tasks, workers  # noqa: E402
+from rlbench.agents import tool  # noqa: E402
 from rlbench.batch import Batch  # noqa: E402
 from rlbench.cluster import Ray  # noqa: E402
 from rlbench.config import Config  # noqa: E402
@@ -22,7 +23,7 @@ for _name in set(os.environ) - set(_environment):
 os.environ.update(_environment)
 del _environment
 
-__all__ = ["Batch", "Config", "Ray", "Session", "algorithms", "interrupts", "models", "rewards", "samplers", "tasks", "viz", "workers"]
+__all__ = ["Batch", "Config", "Ray", "Session", "agents", "algorithms", "interrupts", "models", "rewards", "samplers", "tasks", "tool", "viz", "workers"]
 __version__ = "0.1.0"
 
 

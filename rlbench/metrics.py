@@ -1,4 +1,4 @@
-"""A step's row of `Session.metrics`: summaries of the batch it trained on."""
+"""A step's row of `Session.metrics`: summaries of the batch it trained on (and of its episodes, when agentic)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     sampler-vs-trainer mismatch (`sampler_mismatch_*`, `sampler_kl*`, `sampler_ratio_*`) is here when the batch
     has `old_logp`; with `on_policy_old_logp` the update's forward reports it."""
     mask_B_T = batch["response_mask"].float()
-    valid = mask_B_T.sum().clamp(min=1)
+    sampled_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
+    valid = sampled_B_T.sum().clamp(min=1)
     mismatch = {}
     if "old_logp" in batch:
-        mismatch = {k: float(v) for k, v in mismatch_metrics(batch["old_logp"], batch["sampler_logp"], mask_B_T).items()}
+        mismatch = {k: float(v) for k, v in mismatch_metrics(batch["old_logp"], batch["sampler_logp"], sampled_B_T).items()}
     return {
         "reward_mean": float(batch["reward"].mean()),
         "reward_std": float(batch["reward"].std()) if len(batch) > 1 else 0.0,
@@ -25,10 +26,24 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "reward_errors": float(sum(e is not None for e in batch["reward_error"])),
         "response_length": float(mask_B_T.sum(-1).mean()),
         "truncated_frac": float((~batch["finished"]).float().mean()),
-        "advantage_abs_mean": float((batch["advantages"].abs() * mask_B_T).sum() / valid),
-    } | mismatch | {k: float(v) for k, v in batch.meta.items() if isinstance(v, (int, float))}
+        "advantage_abs_mean": float((batch["advantages"].abs() * sampled_B_T).sum() / valid),
+    } | mismatch | (episode_metrics(batch) if "turns" in batch else {}) | {k: float(v) for k, v in batch.meta.items() if isinstance(v, (int, float))}
 
 
 def accuracy(batch: Batch) -> torch.Tensor:
     """Per-sample accuracy: the reward's "acc" component when it has one, else the task's score."""
     return batch["acc"] if "acc" in batch else batch["score"]
+
+
+def episode_metrics(batch: Batch) -> dict[str, float]:
+    """Agentic episodes: turns, sampled tokens, tool calls, the share of calls that gave a result, and how
+    episodes ended (`ended_<reason>`: the share of each stop reason)."""
+    calls = float(batch["tool_calls"].sum())
+    reasons = batch["stop_reason"]
+    return {
+        "turns_mean": float(batch["turns"].float().mean()),
+        "sampled_length": float(batch["loss_mask"].sum(-1).float().mean()),
+        "tool_calls_mean": float(batch["tool_calls"].float().mean()),
+        "tool_errors_mean": float(batch["tool_errors"].float().mean()),
+        "tool_success_rate": 1.0 - float(batch["tool_errors"].sum()) / calls if calls else 0.0,
+    } | {f"ended_{r}": reasons.count(r) / len(reasons) for r in sorted(set(reasons))}

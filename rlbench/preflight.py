@@ -18,6 +18,9 @@ def prepare(cfg: Config, algorithm: Algorithm):
     check_sampler(cfg.sampler, cfg.cluster)
     model_dir = str(models.resolve(cfg.model))
     tokenizer = models.load_tokenizer(model_dir)
+    if isinstance(task, tasks.AgentTask):  # first turns come from the environment: their length is per turn
+        models.check_fits(model_dir, tokenizer, max_prompt_tokens=None, max_new_tokens=cfg.max_new_tokens)
+        return task, model_dir, tokenizer
     tasks.check_prompts(task)
     task = tasks.limit_prompt_tokens(task, tokenizer, cfg.max_prompt_tokens, on_long=cfg.long_prompts)
     room = models.prompt_room(model_dir, cfg.max_new_tokens)

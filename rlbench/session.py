@@ -52,6 +52,10 @@ class Session:
             if self._run_lock is not None:
                 self._run_lock.release()
             raise
+        if self.workers.episodes is not None:  # a template that is not append-only: the model sees other tokens
+            report = self.workers.episodes.check_template(self.task.train[0])
+            if report is not None and not report.ok:
+                warnings.warn(f"task {self.task.name!r} with the tokenizer of {self.model_dir}: {report}", stacklevel=2)
         self.sinks = make_sinks(cfg.log_dir, self.state.run_name, tensorboard=cfg.tensorboard,
                                 wandb_project=cfg.wandb_project, config=cfg.to_dict())
         """Where every metrics row also goes: JSONL by default, TensorBoard and wandb when configured."""
@@ -104,6 +108,8 @@ class Session:
                                     temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                     seed=mix(cfg.seed, self.state.rollouts_done))
             self.state.rollouts_done += 1
+            if self.workers.episodes is not None:
+                return self._play(examples, params).with_meta(session=self.identity)
             batch = self._generate(examples, params)
             if self.algorithm.needs_greedy_baseline:
                 greedy = self._generate(examples, SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0))
@@ -119,14 +125,21 @@ class Session:
         self._check_origin(batch, "score")
         cfg, algorithm = self.config, self.algorithm
         with self._timed("score"):
-            score_B, components, errors = self.scorer.score(batch["completion"], batch["example"], batch["finished"])
+            if batch.meta.get("agentic"):  # episodes were scored by their environments as they ended
+                components = {k: batch[k] for k in batch.meta["reward_components"]}
+                score_B, errors = batch["score"], batch["reward_error"]
+            else:
+                score_B, components, errors = self.scorer.score(batch["completion"], batch["example"], batch["finished"])
             columns = {"score": score_B, "reward_error": errors, **components}
             reward_B = score_B
             if algorithm.overlong_buffer:
                 columns["overlong_penalty"] = algorithms.overlong_penalty(
-                    batch["response_mask"].sum(-1), cfg.max_new_tokens, algorithm.overlong_buffer, algorithm.overlong_factor)
+                    batch.tensors.get("loss_mask", batch["response_mask"]).sum(-1), cfg.max_new_tokens,
+                    algorithm.overlong_buffer, algorithm.overlong_factor)
                 reward_B = reward_B + columns["overlong_penalty"]
-            if "baseline_completion" in batch:
+            if "baseline_score" in batch:  # episodes: the greedy episode's score
+                columns["baseline_reward"] = batch["baseline_score"]
+            elif "baseline_completion" in batch:
                 columns["baseline_reward"], _, _ = self.scorer.score(batch["baseline_completion"], batch["example"],
                                                                      batch["baseline_finished"])
             return batch.with_columns(**columns, reward=reward_B).with_meta(reward_components=list(components))
@@ -138,7 +151,7 @@ class Session:
         self._check_origin(batch, "advantage")
         algorithm, cfg = self.algorithm, self.config
         with self._timed("advantage"):
-            mask_B_T = batch["response_mask"].float()
+            mask_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
             columns, meta = {}, {}
             if cfg.overlap_rollout and algorithm.correction is None:  # sampled by the previous weights: PPO's old
                 columns["old_logp"] = batch["sampler_logp"]
@@ -156,13 +169,16 @@ class Session:
                 meta = {"reward_kl": float(batch_kl), "reward_kl_coef": self.state.reward_kl.coef}
             if algorithm.correction is not None:
                 weights_B_T, loss_mask_B_T, stats = algorithm.correction(columns["old_logp"], batch["sampler_logp"], mask_B_T)
+                loss_mask_B_T = loss_mask_B_T * mask_B_T.to(loss_mask_B_T.dtype)
                 columns |= {"correction_weights": weights_B_T, "loss_mask": loss_mask_B_T}
                 meta |= {k: float(v) for k, v in stats.items()}
             components = batch.meta.get("reward_components") or []
             advantages_B_T, returns_B_T = algorithm.estimate(
                 rewards_B_T, mask_B_T, group_ids=batch["group_ids"], values_B_T=columns.get("values"),
                 baselines_B=batch.tensors.get("baseline_reward"), old_logp_B_T=columns.get("old_logp"),
-                reward_components_B_K=torch.stack([batch[k] for k in components], -1) if components else None)
+                reward_components_B_K=torch.stack([batch[k] for k in components], -1) if components else None,
+                turn_B_T=batch.tensors.get("turn"), turn_rewards_B_N=batch.tensors.get("turn_rewards"),
+                turns_B=batch.tensors.get("turns"), turn_state_B_N=batch.tensors.get("turn_state"))
             return batch.with_columns(**columns, token_rewards=rewards_B_T, advantages=advantages_B_T,
                                       returns=returns_B_T).with_meta(**meta)
 
@@ -399,10 +415,38 @@ class Session:
                                  top_p=cfg.top_p, top_k=cfg.top_k, seed=mix(cfg.seed, -1))
         result = {}
         for mode, params in tqdm([("greedy", greedy), ("sampled", sampled)], desc="evaluate", disable=not progress):
-            scored = self.score(self.sampler.generate(examples, params))
+            rollout = (self._play(examples, params) if self.workers.episodes is not None
+                       else self.sampler.generate(examples, params))
+            scored = self.score(rollout)
             result[f"{mode}_accuracy"] = float(accuracy(scored).mean())
             result[f"{mode}_reward"] = float(scored["score"].mean())
         return result
+
+    def episode(self, example: dict | None = None, *, greedy: bool = False):
+        """A new episode of an agentic task to step by hand (`rl.agents.Episode`): `ep.step()` samples a turn
+        (stopping at a tool call), `ep.pending_tool_calls` can be edited, the next `ep.step()` runs the tools and
+        appends their results; `ep.show()`, `ep.to_pandas()`, `ep.reward()`. Default example: the first test one."""
+        if self.workers.episodes is None:
+            raise ValueError(f"episode: task {getattr(self.task, 'name', self.task)!r} is not agentic (an "
+                             f"rl.tasks.AgentTask); its rollouts are single completions: s.rollout()")
+        example = example if example is not None else (self.task.test or self.task.train)[0]
+        runner = self.workers.episodes
+        runner.version = self.state.step_count
+        runner.seed = mix(self.config.seed, -2, self.state.step_count)
+        return runner.start([example], greedy=greedy)[0]
+
+    def _play(self, examples: list[dict], params: SamplingParams) -> Batch:
+        """An agentic task's rollout: `params.n` episodes of each example, played to their ends, turns batched."""
+        runner = self.workers.episodes
+        runner.version, runner.seed = self.state.step_count, params.seed
+        rows = [i for i in range(len(examples)) for _ in range(params.n)]
+        batch = runner.rollout([examples[i] for i in rows], rows, greedy=params.greedy)
+        self._tokens_generated += int(batch["loss_mask"].sum())
+        if self.algorithm.needs_greedy_baseline and not params.greedy:
+            greedy = runner.rollout(examples, list(range(len(examples))), greedy=True)
+            self._tokens_generated += int(greedy["loss_mask"].sum())
+            batch = batch.with_columns(baseline_score=greedy["score"][torch.tensor(rows)])
+        return batch
 
     def _check_origin(self, batch: Batch, stage: str) -> None:
         """ValueError when `batch` is another session's (another model, tokenizer or task: its token ids and

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rlbench import tasks
+from rlbench import models, tasks
+from rlbench.agents import EnvPool, EpisodeRunner, Renderer, get_parser
 from rlbench.algorithms import Algorithm
 from rlbench.batch import Batch, left_pad
 from rlbench.cluster import Ray, WorkerGroup, acquire_ray, check_resources, release_ray
@@ -141,7 +142,7 @@ class SamplerHandle:
         if not examples:
             raise ValueError("generate: no examples or prompts given")
         prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
-        out = self.workers.call("sampler", _sampler_generate, prompt_ids, params)[0]
+        out = self.generate_ids(prompt_ids, params)
         rows = [i for i in range(len(examples)) for _ in range(params.n)]
         ids_B_P, mask_B_P = left_pad([prompt_ids[i] for i in rows], self.tokenizer.pad_token_id)
         completions = self.tokenizer.batch_decode(
@@ -151,6 +152,11 @@ class SamplerHandle:
             prompt=[examples[i]["prompt"] for i in rows], completion=completions,
             group_ids=torch.tensor(rows), prompt_ids=ids_B_P, prompt_mask=mask_B_P,
             example=[examples[i] for i in rows])
+
+    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
+        """The sampler's own output for token-id prompts (`rl.samplers.Sampler.generate`): `response_ids`,
+        `response_mask`, `sampler_logp`, `finished`, prompt-major."""
+        return self.workers.call("sampler", _sampler_generate, prompt_ids, params)[0]
 
     def encode_prompt(self, prompt) -> list[int]:
         """Token ids of a prompt (`rl.tasks.encode_prompt`): chat template if the tokenizer has one, else plain text."""
@@ -167,6 +173,32 @@ class SamplerHandle:
     def sleep(self) -> None:
         """vLLM on a GPU shared with the policy: free the KV cache and move the weights off the GPU."""
         self.workers.call("sampler", VLLMSampler.sleep)
+
+
+class EnvHandle:
+    """The environment worker of an agentic task (`rl.agents.EnvPool`): environments of running episodes, their
+    tools in threads. Inline it lives in this process; on Ray in an actor of its own, off the driver."""
+
+    def __init__(self, workers: WorkerGroup):
+        self.workers = workers
+
+    def open(self, keys: list[int], examples: list[dict]):
+        return self.workers.call("envs", EnvPool.open, keys, examples)[0]
+
+    def info(self) -> dict:
+        return self.workers.call("envs", EnvPool.info)[0]
+
+    def submit(self, key: int, calls=None, action: str | None = None) -> None:
+        self.workers.call("envs", EnvPool.submit, key, calls, action)
+
+    def poll(self, wait_s: float = 0.0) -> dict:
+        return self.workers.call("envs", EnvPool.poll, wait_s)[0]
+
+    def score(self, key: int, episode):
+        return self.workers.call("envs", EnvPool.score, key, episode)[0]
+
+    def close(self, keys: list[int]) -> None:
+        self.workers.call("envs", EnvPool.close, keys)
 
 
 class ScorerHandle:
@@ -205,7 +237,10 @@ class Workers:
 
     policy: PolicyHandle
     sampler: SamplerHandle
-    scorer: ScorerHandle
+    scorer: ScorerHandle | None
+    """The task's reward over completions (None for an agentic task: its environments score episodes)."""
+    episodes: EpisodeRunner | None
+    """An agentic task's episodes: the sampler, the chat template, the parser and the environment worker."""
     reference: ReferenceHandle | None
     critic: CriticHandle | None
     groups: list[WorkerGroup]
@@ -282,13 +317,44 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
     factory, kwargs, choice = _sampler_factory(cfg, model_dir, device)
     sampler = group("sampler", 1)
     sampler.build("sampler", factory, [kwargs])
-    scorer = group("rewards", 1)
-    scorer.build("rewards", TaskScorer, [dict(task=task, on_error=cfg.on_reward_error, timeout_s=cfg.reward_timeout_s,
-                                              workers=cfg.reward_workers, processes=cfg.reward_processes)])
-    return Workers(policy=PolicyHandle(policy, algorithm, cfg.max_new_tokens), sampler=SamplerHandle(sampler, tokenizer, choice),
-                   scorer=ScorerHandle(scorer), reference=reference and ReferenceHandle(reference),
+    sampler = SamplerHandle(sampler, tokenizer, choice)
+    scorer = episodes = None
+    if isinstance(task, tasks.AgentTask):
+        envs = group("envs", 1)
+        envs.build("envs", EnvPool, [dict(env=task.env, tools=task.tools, reward=task.reward, system=task.system,
+                                          tool_timeout_s=task.tool_timeout_s)])
+        episodes = _episode_runner(cfg, task, model_dir, tokenizer, sampler, EnvHandle(envs))
+    else:
+        rewards = group("rewards", 1)
+        rewards.build("rewards", TaskScorer, [dict(task=task, on_error=cfg.on_reward_error, timeout_s=cfg.reward_timeout_s,
+                                                   workers=cfg.reward_workers, processes=cfg.reward_processes)])
+        scorer = ScorerHandle(rewards)
+    return Workers(policy=PolicyHandle(policy, algorithm, cfg.max_new_tokens), sampler=sampler,
+                   scorer=scorer, episodes=episodes, reference=reference and ReferenceHandle(reference),
                    critic=critic and CriticHandle(critic, algorithm, cfg.max_new_tokens),
                    groups=groups, on_ray=ray is not None)
+
+
+def _episode_runner(cfg: Config, task, model_dir: str, tokenizer, sampler: SamplerHandle,
+                    envs: EnvHandle) -> EpisodeRunner:
+    """The driver of an agentic task's episodes: each turn samples with the session's settings (greedy on
+    request), stopping at EOS or the end of a tool call."""
+    parser = get_parser(task.parser)
+    stops = []
+    for text in parser.stop:  # a stop string the tokenizer has as one token stops the sampler there
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        stops += ids if len(ids) == 1 else []
+    info = envs.info()
+
+    def sample(contexts, seeds, max_new_tokens, greedy):
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else cfg.temperature,
+                                top_p=cfg.top_p, top_k=cfg.top_k, seeds=tuple(seeds), stop_token_ids=tuple(stops))
+        return sampler.generate_ids(contexts, params)
+
+    context = task.max_context_tokens or models.prompt_room(model_dir, 0) or cfg.max_new_tokens * task.max_turns * 4
+    return EpisodeRunner(sample, Renderer(tokenizer, info["schemas"]), parser, envs, tokenizer,
+                         max_turns=task.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=context,
+                         game=info["game"])
 
 
 def _close_groups(groups: list[WorkerGroup], on_ray: bool) -> None:

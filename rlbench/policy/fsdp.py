@@ -113,7 +113,7 @@ class Policy:
             old_logp_B_T, mismatch = micro["old_logp"], {}
         else:  # Config.on_policy_old_logp: these weights sampled the batch, old_logp is this forward's
             old_logp_B_T = logp_B_T.detach()
-            mismatch = alg.mismatch_metrics(old_logp_B_T, micro["sampler_logp"], micro["response_mask"])
+            mismatch = alg.mismatch_metrics(old_logp_B_T, micro["sampler_logp"], loss_mask(micro))
         loss, metrics = algorithm.actor_loss(
             logp_B_T, old_logp_B_T, micro["advantages"],
             loss_mask(micro), ref_logp_B_T=micro.tensors.get("ref_logp"),

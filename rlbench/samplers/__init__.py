@@ -1,7 +1,8 @@
-"""Samplers: the Sampler protocol, the transformers decode loop and the vLLM engine."""
+"""Samplers: the Sampler protocol, the transformers decode loop, the vLLM engine, a scripted replay for tests."""
 
 from rlbench.samplers.base import Sampler, SamplingParams
 from rlbench.samplers.hf import HFSampler, sample_next
+from rlbench.samplers.scripted import ScriptedSampler
 from rlbench.samplers.vllm import VLLMSampler
 
-__all__ = ["HFSampler", "Sampler", "SamplingParams", "VLLMSampler", "sample_next"]
+__all__ = ["HFSampler", "Sampler", "SamplingParams", "ScriptedSampler", "VLLMSampler", "sample_next"]

@@ -26,6 +26,10 @@ class SamplingParams:
     """Keep the k most likely tokens (0 = off)."""
     seed: int = 0
     """Seed of this call's random draws."""
+    seeds: tuple[int, ...] | None = None
+    """One seed per prompt instead (a prompt's draws then do not depend on the other prompts of the call)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a completion besides the sampler's EOS (a tool call's end), kept in the completion."""
 
     @property
     def greedy(self) -> bool:

@@ -45,7 +45,7 @@ class HFSampler:
         return cls(model.to(device), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
-        stop_ids = self.stop_token_ids.to(self.model.device)
+        stop_ids = torch.tensor(sorted({*self.stop_token_ids.tolist(), *params.stop_token_ids}), device=self.model.device)
         # inference mode costs a tenth less per op than no_grad; its tensors are cloned into ordinary ones
         with torch.inference_mode():
             tokens_B_T, logp_B_T = self._decode(prompt_ids, params, stop_ids)
@@ -58,8 +58,12 @@ class HFSampler:
         ids_N_P, mask_N_P = left_pad(prompt_ids, self.pad_token_id)
         B, T = len(prompt_ids) * params.n, params.max_new_tokens
         # a uniform number per row and position: what a row draws does not depend on the decoder's batch
-        generator = torch.Generator(device=device).manual_seed(params.seed)
-        uniform_B_T = torch.rand(B, T, generator=generator, device=device)
+        if params.seeds is None:
+            generator = torch.Generator(device=device).manual_seed(params.seed)
+            uniform_B_T = torch.rand(B, T, generator=generator, device=device)
+        else:  # each prompt's rows from its own seed
+            uniform_B_T = torch.cat([torch.rand(params.n, T, device=device, generator=torch.Generator(
+                device=device).manual_seed(seed)) for seed in params.seeds]) if B else torch.empty(0, T, device=device)
         tokens_B_T = torch.full((B, T), self.pad_token_id, dtype=torch.long, device=device)
         logp_B_T = torch.zeros((B, T), device=device)
         rows_b = torch.arange(B, device=device)  # the rows still drawing ...

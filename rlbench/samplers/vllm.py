@@ -128,23 +128,25 @@ class VLLMSampler:
 
         self.wake_up()
         greedy = params.greedy  # sent as temperature 1, top-k 1: see TemperatureScaledLogprobs
+        stops = sorted({*self.stop_token_ids, *params.stop_token_ids})
 
         def request(seed: int) -> VLLMParams:
             return VLLMParams(
                 n=params.n, max_tokens=params.max_new_tokens, seed=seed,
                 temperature=1.0 if greedy else params.temperature, top_k=1 if greedy else params.top_k,
-                top_p=1.0 if greedy else params.top_p, stop_token_ids=self.stop_token_ids, ignore_eos=True,
+                top_p=1.0 if greedy else params.top_p, stop_token_ids=stops, ignore_eos=True,
                 logprobs=0, detokenize=False)
 
         # a seed per prompt (vLLM seeds a prompt's i-th sample with seed + i): with one seed for all, the
         # i-th samples of every prompt would draw the same random numbers
-        seeds = torch.randint(2**62, (len(prompt_ids),), generator=torch.Generator().manual_seed(params.seed))
+        seeds = list(params.seeds) if params.seeds is not None else torch.randint(
+            2**62, (len(prompt_ids),), generator=torch.Generator().manual_seed(params.seed)).tolist()
         outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids],
-                                    [request(seed) for seed in seeds.tolist()], use_tqdm=False)
+                                    [request(seed) for seed in seeds], use_tqdm=False)
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
-        return self._to_batch(completions)
+        return self._to_batch(completions, stops)
 
-    def _to_batch(self, completions) -> Batch:
+    def _to_batch(self, completions, stops: list[int]) -> Batch:
         """Right-padded `response_ids`, `response_mask`, `sampler_logp` `[B, T]` and `finished` `[B]`."""
         B, T = len(completions), max([len(c.token_ids) for c in completions] + [1])
         ids_B_T = torch.full((B, T), self.pad_token_id, dtype=torch.long)
@@ -155,7 +157,7 @@ class VLLMSampler:
             ids_B_T[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
             logp_B_T[i, :n] = torch.tensor([step[t].logprob for t, step in zip(c.token_ids, c.logprobs)])
             mask_B_T[i, :n] = 1
-        finished_B = torch.tensor([len(c.token_ids) > 0 and c.token_ids[-1] in self.stop_token_ids
+        finished_B = torch.tensor([len(c.token_ids) > 0 and c.token_ids[-1] in stops
                                    for c in completions], dtype=torch.bool)
         return Batch({"response_ids": ids_B_T, "response_mask": mask_B_T, "sampler_logp": logp_B_T,
                       "finished": finished_B})

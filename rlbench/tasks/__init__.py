@@ -15,6 +15,7 @@ import hashlib
 from collections.abc import Callable
 
 from rlbench.models.chat import encode_prompt, render_prompt
+from rlbench.tasks.agent import AgentTask
 from rlbench.tasks.arithmetic import Arithmetic
 from rlbench.tasks.base import Task
 from rlbench.tasks.data import (DataTask, check_row, convert_files, from_jsonl, from_parquet, read_records,
@@ -23,7 +24,7 @@ from rlbench.tasks.prompts import check_prompts, limit_prompt_tokens, longest_pr
 from rlbench.tasks.synthetic import Countdown, ListTask, Multiplication, Reverse, Sort
 
 __all__ = [
-    "Arithmetic", "Countdown", "DataTask", "ListTask", "Multiplication", "Reverse", "Sort", "Task", "check_row",
+    "AgentTask", "Arithmetic", "Countdown", "DataTask", "ListTask", "Multiplication", "Reverse", "Sort", "Task", "check_row",
     "check_prompts", "convert_files", "encode_prompt", "fingerprint", "from_jsonl", "from_parquet", "get", "limit_prompt_tokens", "longest_prompt_tokens", "names",
     "prompt_tokens", "read_records", "read_rows", "render_prompt", "shuffled", "split", "write_rows",
 ]
@@ -48,7 +49,7 @@ def get(task: str | Task, **kwargs) -> Task:
     if not isinstance(task, str):
         if kwargs:
             raise TypeError(f"options {sorted(kwargs)} only apply to a task given by name, not to {task!r}")
-        if not isinstance(task, Task):
+        if not isinstance(task, (Task, AgentTask)):
             raise TypeError(f"{task!r} is not a Task: it needs name, train, test, truncated_reward and reward()")
         return task
     if task not in _BUILTINS:
@@ -60,6 +61,7 @@ def fingerprint(task: Task) -> str:
     """A short identity of a task: its name, split sizes and a hash of a few of its prompts (first and last
     train examples, first test example)."""
     train, test = task.train, task.test
-    sample = [train[i]["prompt"] for i in sorted({0, len(train) - 1})] + [test[0]["prompt"] for _ in test[:1]]
+    sample = [train[i].get("prompt", train[i]) for i in sorted({0, len(train) - 1})] + [
+        test[0].get("prompt", test[0]) for _ in test[:1]]
     digest = hashlib.sha1(repr(sample).encode()).hexdigest()[:10]
     return f"{getattr(task, 'name', type(task).__name__)} ({len(train)} train, {len(test)} test, {digest})"

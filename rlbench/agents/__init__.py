@@ -1,0 +1,32 @@
+"""Agentic RL: multi-turn episodes with tool calls, kept as the exact tokens the sampler saw.
+
+    @rl.tool
+    def calculator(expression: str) -> str:
+        \"\"\"Evaluate an arithmetic expression.\"\"\"
+        ...
+
+    class Calculator:                          # an environment: one instance per episode
+        def reset(self, prompt, answer): ...   # the example's fields as keywords -> the first user turn
+        def calc(self, expression: str) -> str: \"\"\"A tool (type hints + docstring).\"\"\" ...
+        def reward(self, episode) -> float: ...
+
+    task = rl.tasks.AgentTask(train, test, env=Calculator, max_turns=4)
+    s = rl.Session(model="tiny-tools", task=task)          # or task="calculator"
+    ep = s.episode(task.test[0]); ep.step(); ep.pending_tool_calls; ep.step(); ep.show(); ep.to_pandas()
+    batch = s.rollout()                                     # every episode of the step, turn by turn, batched
+    rl.agents.check_template(tokenizer, messages)          # is the chat template append-only?
+
+The pieces: `tools` (function tools, an environment's tools, their JSON schemas), `parsers` (tool-call parsing:
+Hermes / Qwen built in), `render` (append-only rendering and the template check), `envs` (the environment
+worker), `episode` (an episode's tokens and its Batch row), `rollout` (stepping episodes, batched or by hand).
+"""
+
+from rlbench.agents.envs import EnvPool
+from rlbench.agents.episode import ENDS, Episode, Turn, to_batch
+from rlbench.agents.parsers import HermesParser, Parser, ToolCall, get_parser
+from rlbench.agents.render import KINDS, Renderer, TemplateReport, check_template
+from rlbench.agents.rollout import EpisodeRunner
+from rlbench.agents.tools import Tool, tool, tools_of
+
+__all__ = ["ENDS", "EnvPool", "Episode", "EpisodeRunner", "HermesParser", "KINDS", "Parser", "Renderer",
+           "TemplateReport", "Tool", "ToolCall", "Turn", "check_template", "get_parser", "to_batch", "tool", "tools_of"]

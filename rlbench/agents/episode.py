@@ -1,0 +1,243 @@
+"""An episode: a multi-turn conversation kept as the exact tokens the sampler saw, and its rows in a Batch.
+
+Every token after the first prompt is kept with what made it (`kind`: sampled by the policy, written by the
+chat template, or a tool's output), the sampler's log-prob (sampled tokens only), the assistant turn it belongs
+to, and the weights version that sampled it. Each turn records why it stopped:
+
+    "eos"           the model ended its turn (the episode ends)
+    "tool_call"     the turn made tool calls (or tried to: malformed calls count too); tools run next
+    "max_tokens"    the turn hit max_new_tokens (the episode ends)
+    "context_full"  no room left in the model's context (the episode ends)
+
+and the episode why it ended: one of those, or "max_turns" (the last allowed turn called a tool), "env_done"
+(a game said done) or "error" (the environment failed to start).
+
+In a Batch an episode is one row (see `to_batch`): `response_mask` covers every token after the prompt (the
+context the trainer runs over), `loss_mask` only the sampled ones (what losses, reductions and estimators use).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+from dataclasses import dataclass, field
+
+import torch
+
+from rlbench.agents.parsers import ToolCall
+from rlbench.agents.render import KINDS
+from rlbench.batch import Batch, left_pad
+
+SAMPLED = KINDS.index("sampled")
+ENDS = ("eos", "tool_call", "max_tokens", "context_full", "max_turns", "env_done", "error")
+"""Every stop reason of a turn or an episode."""
+
+
+@dataclass
+class Turn:
+    """One assistant turn: what it sampled, why it stopped, its calls and what came back."""
+
+    text: str
+    """The sampled text (without a final EOS token)."""
+    stop_reason: str
+    calls: list[ToolCall] = field(default_factory=list)
+    results: list[str] = field(default_factory=list)
+    """The tool messages (or the game's observation) appended after it."""
+    errors: list[str] = field(default_factory=list)
+    """What went wrong with its calls: unknown tool, bad arguments, raised, timed out, unreadable."""
+    unreadable: list[str] = field(default_factory=list)
+    """The parser's messages about calls it could not read (also in `errors`)."""
+    attempts: int = 0
+    """Calls it made or tried to make (unreadable ones count)."""
+    reward: float | None = None
+    """A game's step reward for this turn (per-turn rewards of a tool environment come from `reward`)."""
+
+
+class Episode:
+    """One episode's conversation and tokens; `step()` advances it by one sampled turn or one round of tools.
+
+    Made by `s.episode(example)` (stepped by hand) or by `s.rollout()` (all episodes of a step, turn by turn).
+    """
+
+    def __init__(self, key: int, example: dict, messages: list[dict] | None, prompt_ids: list[int],
+                 error: str | None = None, runner=None, greedy: bool = False):
+        self.key, self.example, self.prompt_ids, self.greedy = key, example, list(prompt_ids), greedy
+        self.messages: list[dict] = list(messages or [])
+        """The conversation as messages (assistant contents as sampled)."""
+        self.ids: list[int] = []
+        self.kinds: list[int] = []
+        self.logps: list[float] = []
+        self.turn_of: list[int] = []
+        self.versions: list[int] = []
+        self.turns: list[Turn] = []
+        self.states: list[str] = []
+        """What the policy saw before each turn (the last observation; the prompt before the first)."""
+        self.pending_tool_calls: list[ToolCall] = []
+        """The calls of the last turn, not yet run: edit them before the next `step()`."""
+        self.pending_tool_results: list[str] | None = None
+        """Results of `run_tools()`, not yet appended: edit them before the next `step()`."""
+        self.awaiting_env = False
+        """The last turn called tools (or acted in a game) that have not run yet."""
+        self.waiting = False
+        """Its tools are running."""
+        self.stop_reason: str | None = "error" if error else None
+        self.error = error
+        self.score: float | None = None
+        self.components: dict[str, float] = {}
+        self.turn_rewards: list[float] = []
+        self.reward_error: str | None = error
+        self._runner = runner
+
+    # ------------------------------------------------------------------------------------ state
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    @property
+    def context(self) -> list[int]:
+        """Every token so far: the prompt, then the response."""
+        return self.prompt_ids + self.ids
+
+    @property
+    def final_text(self) -> str:
+        """The text of the last assistant turn (what an answer is read from)."""
+        return self.turns[-1].text if self.turns else ""
+
+    @property
+    def tool_calls(self) -> int:
+        """Calls the model made or tried to make (malformed ones too)."""
+        return sum(t.attempts for t in self.turns)
+
+    @property
+    def tool_errors(self) -> int:
+        """Calls that did not give a result: unreadable, unknown tool, bad arguments, raised, timed out."""
+        return sum(len(t.errors) for t in self.turns)
+
+    def append(self, ids: list[int], kinds: list[int], logps: list[float] | None, version: int) -> None:
+        """Add tokens to the response (sampled ones with their log-probs), in the current turn."""
+        turn = max(len(self.turns) - 1, 0)
+        self.ids += ids
+        self.kinds += kinds
+        self.logps += logps if logps is not None else [0.0] * len(ids)
+        self.turn_of += [turn] * len(ids)
+        self.versions += [version] * len(ids)
+
+    def end(self, reason: str) -> None:
+        assert reason in ENDS, reason
+        self.stop_reason = reason
+        self.pending_tool_calls, self.awaiting_env = [], False
+
+    # ------------------------------------------------------------------------ stepping by hand
+    def step(self) -> Episode:
+        """Sample the next assistant turn (stopping at a tool call), or, when calls are pending, run the tools
+        and append what they return (or append `pending_tool_results` if `run_tools()` already ran them)."""
+        self._bound().step(self)
+        return self
+
+    def run_tools(self) -> list[str]:
+        """Run the pending calls without appending their results: edit `pending_tool_results`, then `step()`."""
+        return self._bound().run_tools(self)
+
+    def reward(self) -> float:
+        """Score the episode with its environment's reward (ends it first if it is still running)."""
+        return self._bound().finish(self)
+
+    def _bound(self):
+        if self._runner is None:
+            raise RuntimeError("this episode is a record (from a Batch): step a new one with s.episode(example)")
+        return self._runner
+
+    def __getstate__(self):  # a record without the session's runner (Ray, pickling a Batch)
+        return {k: v for k, v in self.__dict__.items() if k != "_runner"} | {"_runner": None}
+
+    # ------------------------------------------------------------------------------------ views
+    def to_pandas(self, tokenizer=None):
+        """One row per response token: position, id, text (with a tokenizer), kind, turn, trainable, the
+        sampler's log-prob (sampled tokens), weights version."""
+        import pandas as pd
+
+        tokenizer = tokenizer or (self._runner.tokenizer if self._runner is not None else None)
+        return pd.DataFrame({
+            "position": range(len(self.prompt_ids), len(self.prompt_ids) + len(self.ids)), "token_id": self.ids,
+            **({"text": [tokenizer.decode([t]) for t in self.ids]} if tokenizer is not None else {}),
+            "kind": [KINDS[k] for k in self.kinds], "turn": self.turn_of, "trainable": [k == SAMPLED for k in self.kinds],
+            "sampler_logp": [lp if k == SAMPLED else None for lp, k in zip(self.logps, self.kinds)],
+            "version": self.versions})
+
+    def show(self, tokenizer=None):
+        """The episode as HTML: the prompt, then each token coloured by kind (sampled / tool / template), its
+        log-prob and turn on hover; the turns' stop reasons and errors below."""
+        from IPython.display import HTML
+
+        return HTML(self._repr_html_(tokenizer))
+
+    def _repr_html_(self, tokenizer=None) -> str:
+        tokenizer = tokenizer or (self._runner.tokenizer if self._runner is not None else None)
+        if tokenizer is None:
+            return f"<pre>{html.escape(repr(self))}</pre>"
+        colours = {"sampled": "#d8f0d8", "tool": "#f6e3c4", "template": "#e4e4e4"}
+        spans = []
+        for t, k, lp, turn in zip(self.ids, self.kinds, self.logps, self.turn_of):
+            kind = KINDS[k]
+            tip = f"{kind}, turn {turn}" + (f", logp {lp:.3f}" if k == SAMPLED else "")
+            spans.append(f'<span title="{tip}" style="background:{colours[kind]}">'
+                         f"{html.escape(tokenizer.decode([t]))}</span>")
+        turns = "".join(f"<li>turn {i}: {t.stop_reason}" + (f", {len(t.calls)} call(s)" if t.calls else "") +
+                        "".join(f"; <i>{html.escape(e)}</i>" for e in t.errors) + "</li>"
+                        for i, t in enumerate(self.turns))
+        legend = " ".join(f'<span style="background:{c}">{k}</span>' for k, c in colours.items())
+        return (f"<div><pre style='white-space:pre-wrap'>{html.escape(tokenizer.decode(self.prompt_ids))}"
+                f"{''.join(spans)}</pre><p>{legend} · ended: {self.stop_reason or 'running'}"
+                f"{'' if self.score is None else f' · score {self.score:.3g}'}</p><ul>{turns}</ul></div>")
+
+    def __repr__(self) -> str:
+        state = self.stop_reason or ("tools pending" if self.awaiting_env else "running")
+        return (f"Episode({len(self.turns)} turns, {len(self.ids)} response tokens "
+                f"({sum(k == SAMPLED for k in self.kinds)} sampled), {self.tool_calls} tool calls, "
+                f"{self.tool_errors} errors, {state}" + ("" if self.score is None else f", score {self.score:.3g}") + ")")
+
+
+def state_id(text: str) -> int:
+    """A 62-bit id of what the policy saw before a turn (GiGPO groups the turns that saw the same)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def to_batch(episodes: list[Episode], group_ids: list[int], completions: list[str], *, pad_token_id: int) -> Batch:
+    """The rows of finished, scored episodes (the layout is in the module docstring and `rl.agents`);
+    `completions`: each episode's response as text."""
+    B, T = len(episodes), max([len(ep.ids) for ep in episodes] + [0])
+    N = max([len(ep.turns) for ep in episodes] + [1])
+
+    def padded(rows: list[list], fill, dtype) -> torch.Tensor:
+        return torch.tensor([list(r) + [fill] * (T - len(r)) for r in rows], dtype=dtype).view(B, T)
+
+    prompt_ids, prompt_mask = left_pad([ep.prompt_ids for ep in episodes], pad_token_id)
+    kinds = padded([ep.kinds for ep in episodes], -1, torch.long)
+    components = sorted({k for ep in episodes for k in ep.components})
+    return Batch({
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+        "response_ids": padded([ep.ids for ep in episodes], pad_token_id, torch.long),
+        "response_mask": (kinds >= 0).long(), "loss_mask": (kinds == SAMPLED).long(), "token_kind": kinds,
+        "sampler_logp": padded([[lp if k == SAMPLED else 0.0 for lp, k in zip(ep.logps, ep.kinds)]
+                                for ep in episodes], 0.0, torch.float32),
+        "turn": padded([ep.turn_of for ep in episodes], -1, torch.long),
+        "version": padded([ep.versions for ep in episodes], -1, torch.long),
+        "finished": torch.tensor([ep.stop_reason in ("eos", "env_done") for ep in episodes], dtype=torch.bool),
+        "turns": torch.tensor([len(ep.turns) for ep in episodes], dtype=torch.long),
+        "tool_calls": torch.tensor([ep.tool_calls for ep in episodes], dtype=torch.long),
+        "tool_errors": torch.tensor([ep.tool_errors for ep in episodes], dtype=torch.long),
+        "score": torch.tensor([ep.score or 0.0 for ep in episodes], dtype=torch.float32),
+        **{k: torch.tensor([ep.components.get(k, 0.0) for ep in episodes], dtype=torch.float32) for k in components},
+        "turn_rewards": torch.tensor([ep.turn_rewards[:N] + [0.0] * (N - len(ep.turn_rewards[:N])) for ep in episodes],
+                                     dtype=torch.float32).view(B, N),
+        "turn_state": torch.tensor([[state_id(s) for s in ep.states[:N]] + [-1] * (N - len(ep.states[:N]))
+                                    for ep in episodes], dtype=torch.long).view(B, N),
+        "group_ids": torch.tensor(group_ids, dtype=torch.long),
+    }, {
+        "prompt": [ep.example.get("prompt", ep.messages[:1]) for ep in episodes],
+        "completion": list(completions),
+        "example": [ep.example for ep in episodes],
+        "stop_reason": [ep.stop_reason for ep in episodes],
+        "reward_error": [ep.reward_error for ep in episodes],
+        "episode": list(episodes),
+    }, {"reward_components": components, "agentic": True})

@@ -1,0 +1,246 @@
+"""Running episodes: one by hand (`Episode.step`), or all of a step's episodes batched, turn by turn.
+
+The batched loop (`EpisodeRunner.rollout`): every episode waiting for its next turn is sampled in one sampler
+call; episodes whose turn called tools hand the calls to the environment worker and wait; whatever tools have
+finished are appended and those episodes join the next sampler call. A slow tool holds up its own episode only.
+An episode ends on EOS, at max_turns, at max_new_tokens, when the context is full, when a game says done;
+its environment is scored and closed the moment it ends, and closed (unscored) if the rollout itself fails.
+
+Each sampler call samples every row with its own seed (from the rollout's seed, the episode and the turn),
+so an episode's tokens do not depend on which other episodes share the call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+from rlbench.agents.episode import SAMPLED, Episode, Turn, to_batch
+from rlbench.agents.render import Renderer, TemplateReport, check_template
+from rlbench.batch import Batch
+
+Sample = Callable[[list[list[int]], list[int], int, bool], Batch]
+"""`sample(contexts, seeds, max_new_tokens, greedy)`: one completion per context (a seed each), as the Sampler
+protocol's Batch (`response_ids`, `response_mask`, `sampler_logp`, `finished`), stopping at EOS or the parser's
+stop tokens."""
+
+POLL_S = 0.05
+"""How long the loop waits for tools when no episode can be sampled."""
+
+
+class EpisodeRunner:
+    """Drives episodes: the sampler (`sample`), the chat template (`renderer`), the tool-call `parser` and the
+    environments (`envs`: an `EnvPool` or a handle to one on Ray)."""
+
+    def __init__(self, sample: Sample, renderer: Renderer, parser, envs, tokenizer, *, max_turns: int,
+                 max_new_tokens: int, max_context: int, game: bool = False):
+        self.sample_fn, self.renderer, self.parser, self.envs = sample, renderer, parser, envs
+        self.tokenizer, self.game = tokenizer, game
+        self.max_turns, self.max_new_tokens, self.max_context = max_turns, max_new_tokens, max_context
+        self.version = 0
+        """Weights version recorded on sampled tokens (the session sets it: updates the sampler has seen)."""
+        self.seed = 0
+        """Seed of the next sampler calls (the session sets it per rollout)."""
+        self._next_key = 0
+        self._results: dict[int, object] = {}  # finished tool work not yet taken by its episode
+
+    # ------------------------------------------------------------------------------ episodes
+    def start(self, examples: list[dict], *, greedy: bool = False) -> list[Episode]:
+        """New episodes, one per example: environments reset, first contexts rendered; `greedy` turns sample the
+        most likely token."""
+        keys = list(range(self._next_key, self._next_key + len(examples)))
+        self._next_key += len(examples)
+        episodes = []
+        for key, example, (messages, error) in zip(keys, examples, self.envs.open(keys, examples)):
+            if error is not None:  # the prompt, if the example has one, keeps the row trainable-shaped
+                prompt = example.get("prompt") if isinstance(example, dict) else None
+                ids = self.renderer.prompt_ids(_as_messages(prompt)) if prompt else [self.tokenizer.eos_token_id]
+                episodes.append(Episode(key, example, None, ids, error=error, runner=self, greedy=greedy))
+                continue
+            ids = self.renderer.prompt_ids(messages)
+            episode = Episode(key, example, messages, ids, runner=self, greedy=greedy)
+            episode.states.append(self.renderer.render(messages, generation_prompt=True))
+            if len(ids) >= self.max_context:
+                episode.end("context_full")
+            episodes.append(episode)
+        return episodes
+
+    def sample(self, episodes: list[Episode]) -> None:
+        """Sample the next assistant turn of each episode (one sampler call)."""
+        rooms = [self.max_context - len(ep.context) for ep in episodes]
+        for ep, room in zip(episodes, rooms):
+            if room <= 0:
+                ep.end("context_full")
+        live = [(ep, room) for ep, room in zip(episodes, rooms) if room > 0]
+        if not live:
+            return
+        out = self.sample_fn([ep.context for ep, _ in live], [self._seed(ep) for ep, _ in live],
+                             min(self.max_new_tokens, max(room for _, room in live)), live[0][0].greedy)
+        lengths, finished = out["response_mask"].sum(-1).tolist(), out["finished"].tolist()
+        for (ep, room), ids, logps, n, done in zip(live, out["response_ids"].tolist(), out["sampler_logp"].tolist(),
+                                                   lengths, finished):
+            cut = n > room
+            n = min(n, room)
+            ids, logps = ids[:n], logps[:n]
+            self._record_turn(ep, ids, logps, done and not cut, cut)
+
+    def _record_turn(self, ep: Episode, ids: list[int], logps: list[float], finished: bool, cut: bool) -> None:
+        """Append a sampled turn and decide what follows it."""
+        eos = self.tokenizer.eos_token_id
+        text = self.tokenizer.decode(ids[:-1] if finished and ids and ids[-1] == eos else ids)
+        calls, errors = self.parser.parse(text) if not self.game else ([], [])
+        reason = ("context_full" if cut else "max_tokens" if not finished else "tool_call" if calls or errors
+                  else "eos")
+        ep.turns.append(Turn(text=text, stop_reason=reason, calls=calls, errors=list(errors), unreadable=list(errors),
+                             attempts=len(calls) + len(errors)))
+        ep.append(ids, [SAMPLED] * len(ids), logps, self.version)
+        ep.messages.append({"role": "assistant", "content": text})
+        if reason == "tool_call" or (self.game and reason == "eos"):
+            if len(ep.turns) >= self.max_turns:
+                ep.end("max_turns")
+            else:
+                ep.pending_tool_calls, ep.awaiting_env = calls, True
+        else:
+            ep.end(reason)
+
+    def submit(self, ep: Episode) -> None:
+        """Hand the episode's pending calls (a game: its last turn) to the environment worker."""
+        if self.game:
+            self.envs.submit(ep.key, action=ep.turns[-1].text)
+        else:
+            self.envs.submit(ep.key, calls=list(ep.pending_tool_calls))
+        ep.pending_tool_calls, ep.awaiting_env, ep.waiting = [], False, True
+
+    def collect(self, wait_s: float) -> list[int]:
+        """Take finished tool work from the environment worker; the keys that now have results."""
+        self._results.update(self.envs.poll(wait_s))
+        return list(self._results)
+
+    def apply(self, ep: Episode, results) -> None:
+        """Append what the tools (or the game) returned, then the next generation prompt."""
+        ep.waiting = False
+        turn = ep.turns[-1]
+        if self.game:
+            observation, reward, done, error = results
+            turn.reward = reward
+            if error is not None:
+                turn.errors.append(error)
+            messages = [] if done else [{"role": "user", "content": observation}]
+            if done:
+                ep.end("env_done")
+                return
+        else:
+            messages = [{"role": "tool", "content": message} for message, _ in results]
+            messages += [{"role": "tool", "content": f"error: {e}"} for e in turn.unreadable]
+            turn.errors[:0] = [error for _, error in results if error is not None]
+        turn.results = [m["content"] for m in messages]
+        sampled = self.tokenizer.decode(ep.ids[len(ep.ids) - _sampled_run(ep):])
+        ids, kinds = self.renderer.continuation(sampled, messages)
+        if len(ep.context) + len(ids) >= self.max_context:
+            ep.end("context_full")
+            return
+        ep.append(ids, kinds, None, self.version)
+        ep.messages += messages
+        ep.states.append("\n".join(m["content"] for m in messages))
+
+    def finish(self, ep: Episode) -> float:
+        """Score a finished episode with its environment (which is then closed); its score."""
+        if not ep.done:
+            ep.end("max_turns" if ep.turns else "error")
+        if ep.score is None:
+            score, components, turn_rewards, error = self.envs.score(ep.key, ep)
+            ep.score, ep.components, ep.turn_rewards = score, components, turn_rewards
+            ep.reward_error = ep.reward_error or error
+        return ep.score
+
+    def check_template(self, example: dict) -> TemplateReport | None:
+        """`check_template` on a conversation of this task: the example's first turn, an answer, a tool result
+        (a game: an observation) and another answer (None if the environment fails to start)."""
+        [ep] = self.start([example])
+        self.envs.close([ep.key])
+        if ep.error is not None:
+            return None
+        role = "user" if self.game else "tool"
+        messages = ep.messages + [{"role": "assistant", "content": "1"}, {"role": role, "content": "2"},
+                                  {"role": "assistant", "content": "3"}]
+        return check_template(self.tokenizer, messages, self.renderer.tools)
+
+    # -------------------------------------------------------------------------------- by hand
+    def step(self, ep: Episode) -> None:
+        """`Episode.step`: a sampled turn, or the pending tools' results appended."""
+        if ep.done:
+            raise RuntimeError(f"the episode has ended ({ep.stop_reason}); ep.reward() scores it")
+        if ep.pending_tool_results is not None:
+            results, ep.pending_tool_results = ep.pending_tool_results, None
+            self.apply(ep, [(r, None) for r in results] if not self.game else (results[0], 0.0, False, None))
+        elif ep.awaiting_env:
+            self.apply(ep, self._run_now(ep))
+        else:
+            self.sample([ep])
+        if ep.done:
+            self.finish(ep)
+
+    def run_tools(self, ep: Episode) -> list[str]:
+        """Run the pending calls now; their messages wait in `ep.pending_tool_results` for the next step."""
+        if not ep.awaiting_env:
+            raise RuntimeError("no tool calls are pending: step() samples the next turn")
+        results = self._run_now(ep)
+        ep.pending_tool_results = [results[0]] if self.game else [message for message, _ in results]
+        ep.turns[-1].errors[:0] = [] if self.game else [error for _, error in results if error is not None]
+        return ep.pending_tool_results
+
+    def _run_now(self, ep: Episode):
+        self.submit(ep)
+        while ep.key not in self.collect(POLL_S):
+            pass
+        return self._results.pop(ep.key)
+
+    # ---------------------------------------------------------------------------------- batched
+    def rollout(self, examples: list[dict], group_ids: list[int], *, greedy: bool = False) -> Batch:
+        """Run one episode per example to its end, all turns batched; the Batch of the scored episodes."""
+        episodes = self.start(examples, greedy=greedy)
+        try:
+            while True:
+                ready = [ep for ep in episodes if not (ep.done or ep.waiting)]
+                if ready:
+                    self.sample(ready)
+                    for ep in ready:
+                        if ep.done:
+                            self.finish(ep)
+                        else:
+                            self.submit(ep)
+                waiting = {ep.key: ep for ep in episodes if ep.waiting}
+                if not waiting:
+                    break
+                for key in self.collect(0.0 if ready else POLL_S):
+                    if key in waiting:
+                        ep = waiting[key]
+                        self.apply(ep, self._results.pop(key))
+                        if ep.done:
+                            self.finish(ep)
+            for ep in episodes:
+                self.finish(ep)  # those that ended at the start (a failed reset, a prompt over the context)
+        except BaseException:
+            self.envs.close([ep.key for ep in episodes])
+            raise
+        completions = [self.tokenizer.decode(ep.ids) for ep in episodes]
+        return to_batch(episodes, group_ids, completions, pad_token_id=self.tokenizer.pad_token_id)
+
+    def _seed(self, ep: Episode) -> int:
+        digest = hashlib.blake2b(f"{self.seed}/{ep.key}/{len(ep.turns)}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 2
+
+
+def _sampled_run(ep: Episode) -> int:
+    """How many tokens at the end of the response were sampled (the last turn's)."""
+    n = 0
+    for kind in reversed(ep.kinds):
+        if kind != SAMPLED:
+            break
+        n += 1
+    return n
+
+
+def _as_messages(prompt) -> list[dict]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+

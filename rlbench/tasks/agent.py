@@ -1,0 +1,60 @@
+"""`AgentTask`: examples whose episodes are multi-turn conversations with an environment and tools.
+
+    task = rl.tasks.AgentTask(train, test, env=Calculator, max_turns=4)
+    task = rl.tasks.AgentTask(train, test, tools=[calculator], reward=lambda episode, example: ...)
+
+The environment is a class (one instance per episode: `reset(**example) -> first user turn`, tools as typed,
+documented methods, `reward(episode)`), or a game (`step(action_text) -> observation, reward, done`); see
+`rlbench.agents`. The task only carries them: the session's environment worker runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AgentTask:
+    """A Task whose examples are played as episodes (see the module docstring)."""
+
+    train: Sequence[dict] = field(repr=False)
+    test: Sequence[dict] = field(default=(), repr=False)
+    env: Callable | None = None
+    """The environment class (or any factory of one instance per episode)."""
+    tools: tuple = ()
+    """Function tools (`@rl.tool`), besides the environment's own."""
+    reward: Callable | None = None
+    """`reward(episode, example) -> float | dict | list` when the environment has no `reward(episode)` (or there
+    is none). A dict: components ("turns": per-turn rewards); a list: per-turn rewards."""
+    max_turns: int = 4
+    """Most assistant turns per episode (a call in the last one is not run: the episode ends, "max_turns")."""
+    parser: object = "hermes"
+    """How tool calls are read from a turn: a built-in name or a parser object (`rl.agents.Parser`)."""
+    system: str | None = None
+    """A system message before the first user turn (the chat template adds the tools' schemas)."""
+    tool_timeout_s: float | None = 10.0
+    """A tool call running longer gives the model an error message (its thread is left behind); None: no limit."""
+    max_context_tokens: int | None = None
+    """Most tokens of an episode, prompt included (None: the model's context length)."""
+    name: str = "agent"
+    truncated_reward: float | None = None
+    """Unused by episodes (an episode that hits max_new_tokens ends: its environment scores it)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "train", tuple(self.train))
+        object.__setattr__(self, "test", tuple(self.test))
+        object.__setattr__(self, "tools", tuple(self.tools))
+        if self.env is None and self.reward is None:
+            raise ValueError("an AgentTask needs env= (with reward(episode)) or reward=")
+        if self.env is None and not self.tools:
+            raise ValueError("an AgentTask without env= needs tools=")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be at least 1, got {self.max_turns}")
+        if not self.train:
+            raise ValueError(f"task {self.name!r} has no train examples")
+        for split in ("train", "test"):
+            for i, example in enumerate(getattr(self, split)):
+                if not isinstance(example, dict):
+                    raise ValueError(f"{split} example {i} of task {self.name!r} is a {type(example).__name__}, "
+                                     f"not a dict of fields")
