@@ -1,11 +1,17 @@
 """Advantage estimators (ALGORITHMS.md §1), registered by name.
 
 Every estimator has the signature ``f(rewards_B_T, mask_B_T, *, <data keywords it uses>, **hparams) ->
-(advantages_B_T, returns_B_T)``; it declares only the data it reads (``registry.DATA_KEYWORDS``: ``group_ids``,
-``values_B_T``, ``baselines_B``, ``old_logp_B_T``, ``reward_components_B_K``) and receives only those. Rewards are token-level: an outcome score
-sits on the last valid token, so ``s_i = rewards_B_T.sum(-1)``. ``group_ids`` (``[B]``, any integers) marks
-the samples of one prompt. Outputs are 0 on invalid tokens; outcome estimators return the advantages as
-returns (verl's convention).
+(advantages_B_T, returns_B_T)``; it declares only the data it reads (``registry.ADVANTAGE_DATA``: ``group_ids``,
+``values_B_T``, ``baselines_B``, ``old_logp_B_T``, ``reward_components_B_K``, and the per-turn data of agentic
+tasks that ``turns.py`` reads) and receives only those. Rewards are token-level: an outcome score sits on the
+last valid token, so ``s_i = rewards_B_T.sum(-1)``. ``group_ids`` (``[B]``, any integers) marks the samples of
+one prompt. Outputs are 0 on invalid tokens; outcome estimators return the advantages as returns (verl's
+convention).
+
+The mask may have holes (a multi-turn episode's loss mask is 0 on tool output between sampled turns). A hole
+is not a step: every estimator gives on a holed row what it gives on the compacted row (the valid tokens
+only, contiguous), scattered back, with 0 on the holes. Rewards must sit on valid tokens (``outcome_rewards``
+and ``kl_in_reward`` put them there).
 """
 
 from __future__ import annotations
@@ -185,7 +191,7 @@ def grpo_passk(rewards_B_T, mask_B_T, *, group_ids, norm_by_std: bool = True, ep
 def gae(rewards_B_T, mask_B_T, *, values_B_T=None, gamma: float = 1.0, lam: float = 1.0):
     """GAE with a learned critic, whitened over the batch.
 
-        δ_t = r_t + γ V_{t+1} - V_t,   Â_t = δ_t + γλ Â_{t+1}   (masked tokens skipped: they carry V and Â)
+        δ_t = r_t + γ V_{t+1} - V_t,   Â_t = δ_t + γλ Â_{t+1}   (t+1 = the next valid token: holes are skipped)
         returns = Â + V,   A = masked_whiten(Â, m)
 
     Differs from Monte-Carlo returns by bootstrapping from ``values_B_T`` (``Algorithm.needs_critic``).

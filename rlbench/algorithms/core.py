@@ -27,9 +27,14 @@ def ratio(logp_B_T: torch.Tensor, old_logp_B_T: torch.Tensor, max_log_ratio: flo
 
 
 def outcome_rewards(reward_B: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
-    """Token-level rewards ``[B, T]``: each sample's score on its last valid token, 0 elsewhere."""
+    """Token-level rewards ``[B, T]``: each sample's score on its last valid token, 0 elsewhere.
+
+    The last valid token is the last position where the mask is 1: with a multi-turn loss mask, which has
+    holes (tool output between sampled turns), it is not ``Σ m - 1``. A row without valid token gets nothing.
+    """
     rewards_B_T = torch.zeros(mask_B_T.shape, dtype=torch.float32, device=mask_B_T.device)
-    last_B = (mask_B_T.sum(-1).long() - 1).clamp(min=0)
+    positions_B_T = torch.arange(mask_B_T.shape[-1], device=mask_B_T.device).expand(mask_B_T.shape)
+    last_B = positions_B_T.masked_fill(~mask_B_T.bool(), -1).amax(-1).clamp(min=0)
     rewards_B_T[torch.arange(len(reward_B)), last_B] = reward_B.float()
     return rewards_B_T * mask_B_T
 

@@ -21,10 +21,16 @@ import torch
 from .core import KL_KINDS, REDUCTIONS, AdaptiveKL, aggregate, kl
 from .correction import RolloutCorrection
 
-ADVANTAGE_DATA = ("group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "reward_components_B_K")
+ADVANTAGE_DATA = (
+    "group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "reward_components_B_K",
+    "turn_B_T", "turn_rewards_B_N", "turns_B", "turn_state_B_N",
+)
 """Data an advantage estimator may declare as keyword arguments: the prompt group of each sample, the critic's
 values, the greedy baseline's score, the log-probs of the policy that sampled, the per-sample reward
-components ``[B, K]`` (a reward that returns a dict). It receives only those its signature names."""
+components ``[B, K]`` (a reward that returns a dict); and, from an agentic (multi-turn) task, the assistant-turn
+index of each token (``-1`` on padding), the environment's reward after each turn (``N`` = most turns in the
+batch, 0 past an episode's turns), the number of turns of each episode, and an id of the environment state
+seen at the start of each turn (``-1`` past the turns). It receives only those its signature names."""
 LOSS_DATA = ("weights_B_T",)
 """Data a policy loss may declare: the detached rollout-correction weights."""
 DATA_KEYWORDS = frozenset(ADVANTAGE_DATA + LOSS_DATA)
