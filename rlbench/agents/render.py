@@ -59,11 +59,7 @@ class Renderer:
             if sampled_text.endswith(closing[:k]):
                 closing = closing[k:]
                 break
-        after = self.render(self._reference + list(messages), generation_prompt=True)
-        if not after.startswith(self._reference_text):
-            raise ValueError("this chat template renders earlier messages differently once more follow: rlbench "
-                             "cannot append messages to a conversation with it (rl.agents.check_template shows where)")
-        text = closing + after[len(self._reference_text):]
+        text = closing + self._rendered(list(messages))
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         spans, start = [], len(closing)
         for m in messages:  # where each message's content sits in the appended text
@@ -74,6 +70,18 @@ class Renderer:
         kinds = [KINDS.index("tool") if any(a < e and b > s for s, e in spans) else KINDS.index("template")
                  for a, b in encoded["offset_mapping"]]
         return list(encoded["input_ids"]), kinds
+
+    def _rendered(self, messages: list[dict]) -> str:
+        """The template's text for `messages` and the generation prompt, after an assistant turn; where the
+        template rewrites an earlier assistant message once more follow, after a user message alone (the new
+        messages' own text: earlier tokens are never rewritten)."""
+        for before in (self._reference, self._reference[:1]):
+            head = self.render(before, generation_prompt=False)
+            after = self.render(before + messages, generation_prompt=True)
+            if after.startswith(head):
+                return after[len(head):]
+        raise ValueError("this chat template renders a user message differently once more messages follow: "
+                         "rlbench cannot append messages to a conversation with it")
 
 
 @dataclass

@@ -1,0 +1,409 @@
+"""Agentic episodes on a scripted sampler (environments, parsing, masks, rewards without a model) and on the real
+ones (the trainer's log-probs of sampled tokens equal the sampler's across turns; non-sampled tokens get no
+gradient)."""
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+
+import rlbench as rl
+from rlbench.agents import HermesParser, check_template, tools_of
+from rlbench.samplers import ScriptedSampler
+
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""Append-only: every message renders the same whatever follows it."""
+DRIFTING = ("{% for m in messages %}{% set c = m.content %}"
+            "{% if m.role == 'assistant' and not loop.last and '</think>' in c %}{% set c = c.split('</think>')[1] %}"
+            "{% endif %}<|{{ m.role }}|>{{ c }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""Drops the reasoning of earlier assistant turns (as Qwen3's template does): not append-only."""
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tiny_dir, tmp_path_factory):
+    """tiny-arith's weights with 512 positions and a chat template (tool calls are long in characters)."""
+    path = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(tiny_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 512}))
+    tokenizer = rl.models.load_tokenizer(path)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_dir):
+    return rl.models.load_tokenizer(chat_dir)
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+class Calc:
+    """One instance per episode: the example's answer, a calculator tool, reward 1 for the right final answer."""
+
+    def reset(self, prompt, answer):
+        self.answer = answer
+        return prompt
+
+    def calc(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: e.g. "3*4".
+        """
+        a, b = expression.split("*")
+        return str(int(a) * int(b))
+
+    def fail(self, x: int) -> str:
+        """Always raises."""
+        raise ZeroDivisionError("even operand")
+
+    def hang(self) -> str:
+        """Never returns in time."""
+        time.sleep(3)
+        return "late"
+
+    def reward(self, episode) -> float:
+        return float(episode.final_text.strip() == self.answer)
+
+
+EXAMPLES = [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a in (12, 23, 34) for b in (45, 56)]
+
+
+def scripted(tokenizer, turns: dict[int, str]):
+    """A sampler whose turn k (counted from the tool results in the context) is `turns[k]` (then EOS), or
+    the last tool result as the final answer."""
+    def respond(context: str):
+        k = context.count("<|tool|>")
+        if k in turns:
+            text = turns[k](context) if callable(turns[k]) else turns[k]
+        else:
+            text = context.rsplit("<|tool|>", 1)[1].split("\n")[0]
+        return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return ScriptedSampler(tokenizer, respond)
+
+
+def session(chat_dir, tokenizer, turns, *, env=Calc, max_turns=3, tool_timeout_s=0.5, **overrides):
+    task = rl.tasks.AgentTask(EXAMPLES, EXAMPLES[:2], env=env, max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+    settings = dict(model=chat_dir, task=task, sampler=scripted(tokenizer, turns), cluster="inline",
+                    prompts_per_step=2, samples_per_prompt=2, max_new_tokens=120) | overrides
+    return rl.Session(**settings)
+
+
+def question(context: str) -> str:
+    return context.split("<|user|>")[1].split("=")[0]
+
+
+# ------------------------------------------------------------------------------------------------ tools
+def test_tool_schema_from_signature_and_docstring():
+    @rl.tool
+    def lookup(key: str, limit: int = 3) -> str:
+        """Find a key in the table.
+
+        Args:
+            key: what to look for, exactly
+                as stored.
+            limit: most results.
+        """
+        return key
+
+    assert lookup.schema == {"type": "function", "function": {
+        "name": "lookup", "description": "Find a key in the table.",
+        "parameters": {"type": "object", "required": ["key"], "properties": {
+            "key": {"type": "string", "description": "what to look for, exactly as stored."},
+            "limit": {"type": "integer", "description": "most results."}}}}}
+    assert lookup.check({"key": "a"}) == {"key": "a"}
+    with pytest.raises(ValueError, match="lookup has no argument.* k; it takes: key, limit"):
+        lookup.check({"k": "a"})
+    with pytest.raises(ValueError, match="missing argument.* key"):
+        lookup.check({})
+    with pytest.raises(ValueError, match="argument limit of lookup must be integer, got str"):
+        lookup.check({"key": "a", "limit": "3"})
+    with pytest.raises(ValueError, match="needs a docstring"):
+        rl.tool(lambda x: x)
+
+
+def test_environment_tools_are_its_documented_public_methods():
+    assert sorted(tools_of(Calc())) == ["calc", "fail", "hang"]
+
+
+# ----------------------------------------------------------------------------------------------- parser
+def test_hermes_parser_reads_calls_and_explains_bad_ones():
+    parser = HermesParser()
+    calls, errors = parser.parse("thinking " + call("calc", expression="1*2") + call("calc", expression="3*4"))
+    assert [(c.name, c.arguments) for c in calls] == [("calc", {"expression": "1*2"}), ("calc", {"expression": "3*4"})]
+    assert errors == []
+    calls, errors = parser.parse('<tool_call>{"name": "calc", "arguments": {"expression": }</tool_call>')
+    assert calls == [] and errors[0].startswith("malformed tool call JSON (Expecting value")
+    _, errors = parser.parse('<tool_call>{"arguments": {}}</tool_call>')
+    assert errors[0].startswith('a tool call is {"name": <string>, "arguments": <object>}')
+    _, errors = parser.parse('<tool_call>{"name": "calc"')
+    assert errors[0].startswith("unterminated tool call")
+    calls, _ = parser.parse('<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"2*2\\"}"}</tool_call>')
+    assert calls[0].arguments == {"expression": "2*2"}
+
+
+# ------------------------------------------------------------------------------------------- templates
+def test_check_template_passes_an_append_only_template(tokenizer):
+    messages = [{"role": "user", "content": "12*45="}, {"role": "assistant", "content": call("calc", expression="12*45")},
+                {"role": "tool", "content": "540"}, {"role": "assistant", "content": "540"}]
+    report = check_template(tokenizer, messages)
+    assert report.ok and len(report.turns) == 2, report
+
+
+def test_check_template_reports_the_first_differing_token_of_a_drifting_template(tokenizer):
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = DRIFTING
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>hm</think>" + call("f")},
+                {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}]
+    report = check_template(tokenizer, messages)
+    assert not report.ok
+    # once a tool message follows turn 0, the whole render drops its "<think>hm</think>": both turns first differ
+    # after the prompt's "<|assistant|>" and the "<t" that "<think>" and "<tool_call>" share (a token per character)
+    position = len(tokenizer.encode("<|user|>q\n<|assistant|><t"))
+    for turn in report.turns:
+        assert turn["position"] == position and turn["appended"].startswith("hink>")
+        assert turn["whole"].startswith("ool_call")
+    assert f"turn 1: first difference at token {position}: appended 'hink>" in str(report)
+
+
+def test_session_warns_at_start_up_when_the_template_drifts(chat_dir, tmp_path):
+    drift = tmp_path / "drift"
+    shutil.copytree(chat_dir, drift)
+    tokenizer = rl.models.load_tokenizer(drift)
+    tokenizer.chat_template = DRIFTING.replace("'</think>' in c", "true")  # drops every earlier answer
+    tokenizer.save_pretrained(drift)
+    with pytest.warns(UserWarning, match="NOT append-only"):
+        session(str(drift), tokenizer, {}).close()
+
+
+# ------------------------------------------------------------------------------------------- episodes
+def test_an_episode_keeps_the_sampled_tokens_and_marks_what_made_each(chat_dir, tokenizer):
+    s = session(chat_dir, tokenizer, {0: lambda c: call("calc", expression=question(c))})
+    ep = s.episode(EXAMPLES[0])
+    ep.step()
+    assert [(c.name, c.arguments) for c in ep.pending_tool_calls] == [("calc", {"expression": "12*45"})]
+    assert ep.turns[0].stop_reason == "tool_call" and not ep.done
+    ep.step()  # the tool runs, its result and the next generation prompt are appended
+    assert tokenizer.decode(ep.ids) == call("calc", expression="12*45") + "<eos>\n<|tool|>540\n<|assistant|>"
+    ep.step()
+    assert ep.done and ep.stop_reason == "eos" and ep.final_text == "540" and ep.reward() == 1.0
+    table = ep.to_pandas()
+    sampled = table[table.trainable]
+    # every sampled token is the sampler's, with its log-prob (token i of a scripted turn: -(i+1)/100)
+    turn0 = tokenizer.encode(call("calc", expression="12*45")) + [tokenizer.eos_token_id]
+    assert sampled[sampled.turn == 0].token_id.tolist() == turn0
+    assert sampled[sampled.turn == 0].sampler_logp.tolist() == pytest.approx([-(i + 1) / 100 for i in range(len(turn0))])
+    assert "".join(table[table.kind == "tool"].text) == "540"
+    assert "".join(table[table.kind == "template"].text) == "\n<|tool|>\n<|assistant|>"
+    appended = len(tokenizer.encode("\n<|tool|>540\n<|assistant|>"))
+    assert table.turn.tolist() == [0] * (len(turn0) + appended) + [1] * 4
+    assert "sampled" in ep._repr_html_() and "tool_call" in ep._repr_html_()
+    s.close()
+
+
+def test_a_tool_result_can_be_edited_before_it_is_appended(chat_dir, tokenizer):
+    s = session(chat_dir, tokenizer, {0: call("calc", expression="2*3")})
+    ep = s.episode(EXAMPLES[0])
+    ep.step()
+    ep.pending_tool_calls[0].arguments["expression"] = "12*45"  # edit the call
+    assert ep.run_tools() == ["540"]
+    ep.pending_tool_results[0] = "541"  # and the result
+    ep.step()
+    ep.step()
+    assert ep.final_text == "541" and ep.reward() == 0.0
+    s.close()
+
+
+def test_rollout_batch_rows_and_masks(chat_dir, tokenizer):
+    s = session(chat_dir, tokenizer, {0: lambda c: call("calc", expression=question(c))})
+    batch = s.rollout()
+    assert len(batch) == 4 and batch["group_ids"].tolist() == [0, 0, 1, 1]
+    kinds = batch["token_kind"]
+    assert torch.equal(batch["loss_mask"], (kinds == 1).long())
+    assert torch.equal(batch["response_mask"], (kinds >= 0).long())
+    assert (batch["sampler_logp"][batch["loss_mask"] == 0] == 0).all()
+    assert (batch["sampler_logp"][batch["loss_mask"] == 1] < 0).all()
+    assert batch["turns"].tolist() == [2] * 4 and batch["tool_calls"].tolist() == [1] * 4
+    assert batch["stop_reason"] == ["eos"] * 4 and batch["version"].max() == 0
+    scored = s.advantage(s.score(batch))
+    assert scored["score"].tolist() == [1.0] * 4
+    row = s.step()
+    assert row["turns_mean"] == 2 and row["tool_success_rate"] == 1.0 and row["ended_eos"] == 1.0
+    s.close()
+
+
+@pytest.mark.parametrize("turn0, reason", [
+    ('<tool_call>{"name": "calc", "arguments": {"expression": }</tool_call>', "malformed tool call JSON"),
+    (call("nope", x=1), "unknown tool 'nope'; tools: calc, fail, hang"),
+    (call("calc", expr="1*2"), "calc has no argument(s) expr"),
+    (call("fail", x=1), "tool fail raised ZeroDivisionError: even operand"),
+    (call("hang"), "tool hang timed out after 0.5"),
+])
+def test_a_bad_call_becomes_a_tool_message_and_a_count(chat_dir, tokenizer, turn0, reason):
+    s = session(chat_dir, tokenizer, {0: turn0, 1: "done"})
+    batch = s.rollout()
+    assert batch["tool_errors"].tolist() == [1] * 4 and batch["tool_calls"].tolist() == [1] * 4
+    episode = batch["episode"][0]
+    assert episode.turns[0].errors[0].startswith(reason)
+    assert episode.turns[0].results == ["error: " + episode.turns[0].errors[0]]
+    assert f"<|tool|>error: {reason}" in batch["completion"][0] and batch["stop_reason"][0] == "eos"
+    s.close()
+
+
+def test_max_turns_context_overflow_and_a_failing_reset_are_recorded(chat_dir, tokenizer):
+    s = session(chat_dir, tokenizer, {k: call("calc", expression="2*2") for k in range(9)}, max_turns=2)
+    batch = s.rollout()
+    assert batch["stop_reason"] == ["max_turns"] * 4 and batch["turns"].tolist() == [2] * 4
+    s.close()
+
+    s = session(chat_dir, tokenizer, {k: call("calc", expression="2*2") for k in range(99)}, max_turns=99)
+    batch = s.rollout()  # 512 positions fill up after a few turns
+    assert batch["stop_reason"] == ["context_full"] * 4
+    assert int((batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).max()) <= 512
+    s.close()
+
+    class Broken(Calc):
+        def reset(self, prompt, answer):
+            if answer == "540":
+                raise KeyError("no such level")
+            return super().reset(prompt, answer)
+
+    s = session(chat_dir, tokenizer, {0: lambda c: call("calc", expression=question(c))}, env=Broken,
+                prompts_per_step=len(EXAMPLES))
+    batch = s.score(s.rollout())
+    broken = torch.tensor([e["answer"] == "540" for e in batch["example"]])
+    assert broken.sum() == 2 and batch["stop_reason"] == ["error" if b else "eos" for b in broken]
+    assert {batch["reward_error"][i] for i in broken.nonzero().flatten()} == {"reset raised KeyError: 'no such level'"}
+    assert batch["loss_mask"][broken].sum() == 0 and batch["score"].tolist() == (~broken).float().tolist()
+    s.step()  # a partial batch trains
+    s.close()
+
+
+def test_a_reward_that_raises_is_recorded(chat_dir, tokenizer):
+    class BadReward(Calc):
+        def reward(self, episode):
+            return {"acc": float("nan")}
+
+    s = session(chat_dir, tokenizer, {0: "12"}, env=BadReward)
+    batch = s.score(s.rollout())
+    assert batch["reward_error"][0] == "reward raised ValueError: reward 'acc' is nan"
+    assert batch["score"].tolist() == [0.0] * 4
+    s.close()
+
+
+def test_a_slow_tool_does_not_hold_up_the_other_episodes(chat_dir, tokenizer):
+    ended = []
+
+    class Slow(Calc):
+        def calc(self, expression: str) -> str:
+            """Evaluate (slowly for the first question)."""
+            if expression.startswith("12"):
+                time.sleep(1.5)
+            return super().calc(expression)
+
+        def reward(self, episode):
+            ended.append((self.answer, time.monotonic() - start))
+            return super().reward(episode)
+
+    s = session(chat_dir, tokenizer, {0: lambda c: call("calc", expression=question(c))}, env=Slow,
+                prompts_per_step=len(EXAMPLES), tool_timeout_s=10)
+    start = time.monotonic()
+    batch = s.rollout()
+    assert batch["score"].tolist() == [1.0] * len(batch)
+    slow = [t for answer, t in ended if answer in ("540", "672")]
+    fast = [t for answer, t in ended if answer not in ("540", "672")]
+    assert len(slow) == 4 and min(slow) >= 1.5 and len(fast) == 8 and max(fast) < 1.0, ended
+    s.close()
+
+
+def test_game_environments_take_each_turn_as_an_action_with_per_turn_rewards(chat_dir, tokenizer):
+    class Guess:
+        def reset(self, **_):
+            self.answer, self.tries = "540", 0
+            return "guess the number"
+
+        def step(self, action: str):
+            self.tries += 1
+            right = action.strip() == self.answer
+            return ("higher" if not right else ""), float(right), right or self.tries >= 3
+
+    s = rl.Session(model=chat_dir, task=rl.tasks.AgentTask(EXAMPLES, env=Guess, max_turns=4), cluster="inline",
+                   sampler=ScriptedSampler(tokenizer, lambda c: tokenizer.encode(
+                       "540" if c.count("higher") == 2 else "1") + [tokenizer.eos_token_id]),
+                   prompts_per_step=1, samples_per_prompt=2, max_new_tokens=8)
+    batch = s.rollout()
+    assert batch["stop_reason"] == ["env_done"] * 2 and batch["turns"].tolist() == [3, 3]
+    assert batch["turn_rewards"].tolist() == [[0.0, 0.0, 1.0]] * 2 and batch["score"].tolist() == [1.0, 1.0]
+    assert batch["completion"][0] == "1<eos>\n<|user|>higher\n<|assistant|>1<eos>\n<|user|>higher\n<|assistant|>540<eos>"
+    s.close()
+
+
+# --------------------------------------------------------------------------------- real sampler, trainer
+@pytest.fixture(scope="module")
+def sums_session(tiny_dir, tmp_path_factory):
+    """tiny-arith playing a game of three sums in one context: each answer (digits, EOS) is an action, the next
+    sum comes back as an observation. The template renders a user turn as its content alone, as tiny-arith saw
+    its prompts in training."""
+    path = tmp_path_factory.mktemp("sums") / "model"
+    shutil.copytree(tiny_dir, path)
+    tokenizer = rl.models.load_tokenizer(path)
+    tokenizer.chat_template = "{%- for m in messages -%}{{ m.content }}{%- endfor -%}"
+    tokenizer.save_pretrained(path)
+
+    class Sums:
+        def reset(self, a, b, **_):
+            self.sums, self.i = [(a, b), (b, 7), (a, 3)], 0
+            return f"{a}+{b}="
+
+        def step(self, action: str):
+            right = action.strip() == str(sum(self.sums[self.i]))
+            self.i += 1
+            done = self.i == len(self.sums)
+            return ("" if done else "{}+{}=".format(*self.sums[self.i])), float(right), done
+
+    task = rl.tasks.AgentTask(rl.tasks.get("arithmetic").train, env=Sums, max_turns=3)
+    s = rl.Session(model=str(path), task=task, sampler="hf", cluster="inline", prompts_per_step=4,
+                   samples_per_prompt=4, max_new_tokens=6, seed=1)
+    yield s
+    s.close()
+
+
+def test_trainer_log_probs_of_sampled_tokens_equal_the_samplers_across_three_turns(sums_session):
+    batch = sums_session.rollout()
+    three = batch["turns"] == 3
+    assert three.sum() >= 4, batch["stop_reason"]  # tiny-arith ends its answers with EOS: three turns
+    loss_mask = batch["loss_mask"].bool()
+    assert (batch["turn"][loss_mask & three[:, None]].max()) == 2
+    logp = sums_session.policy.log_probs(batch)
+    torch.testing.assert_close(logp[loss_mask], batch["sampler_logp"][loss_mask], atol=1e-5, rtol=0)
+
+
+def test_non_sampled_tokens_get_no_gradient(sums_session):
+    from rlbench.policy.forward import response_logits
+
+    batch = sums_session.advantage(sums_session.score(sums_session.rollout()))
+    batch = batch.with_columns(advantages=torch.ones_like(batch["advantages"]) * batch["response_mask"])
+    model = sums_session.workers.groups[0].hosts[0].objects["policy"].model
+    logits = response_logits(model, batch.trimmed())
+    logits.retain_grad()
+    logp = rl.algorithms.token_logp(logits, batch.trimmed()["response_ids"])
+    trimmed = batch.trimmed()
+    loss, _ = sums_session.algorithm.actor_loss(logp, logp.detach(), trimmed["advantages"], trimmed["loss_mask"].float(),
+                                               ref_logp_B_T=logp.detach(),
+                                               num_tokens=int(trimmed["loss_mask"].sum()), num_seqs=len(trimmed),
+                                               norm_length=6)
+    loss.backward()
+    grad_norm_B_T = logits.grad.norm(dim=-1)
+    sampled = trimmed["loss_mask"].bool()
+    assert (grad_norm_B_T[~sampled] == 0).all()
+    assert (grad_norm_B_T[sampled] > 0).any()
+    model.zero_grad(set_to_none=True)
