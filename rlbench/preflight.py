@@ -15,6 +15,9 @@ def prepare(cfg: Config, algorithm: Algorithm):
     the longest prompt plus `max_new_tokens`."""
     check_algorithm(cfg, algorithm)
     task = tasks.get(cfg.task)
+    if algorithm.needs_turns and not isinstance(task, tasks.AgentTask):
+        raise ValueError(f"algorithm {algorithm.name!r} credits each turn of an episode: it needs an agentic task "
+                         f"(rl.tasks.AgentTask, e.g. task='calculator'), not {getattr(task, 'name', task)!r}")
     check_sampler(cfg.sampler, cfg.cluster)
     model_dir = str(models.resolve(cfg.model))
     tokenizer = models.load_tokenizer(model_dir)

@@ -3,8 +3,8 @@ ones (the trainer's log-probs of sampled tokens equal the sampler's across turns
 gradient)."""
 
 import json
+import os
 import shutil
-import threading
 import time
 
 import pytest
@@ -12,6 +12,7 @@ import torch
 
 import rlbench as rl
 from rlbench.agents import HermesParser, check_template, tools_of
+from agent_games import Sums, sums_model, sums_task
 from rlbench.samplers import ScriptedSampler
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -350,29 +351,9 @@ def test_game_environments_take_each_turn_as_an_action_with_per_turn_rewards(cha
 # --------------------------------------------------------------------------------- real sampler, trainer
 @pytest.fixture(scope="module")
 def sums_session(tiny_dir, tmp_path_factory):
-    """tiny-arith playing a game of three sums in one context: each answer (digits, EOS) is an action, the next
-    sum comes back as an observation. The template renders a user turn as its content alone, as tiny-arith saw
-    its prompts in training."""
-    path = tmp_path_factory.mktemp("sums") / "model"
-    shutil.copytree(tiny_dir, path)
-    tokenizer = rl.models.load_tokenizer(path)
-    tokenizer.chat_template = "{%- for m in messages -%}{{ m.content }}{%- endfor -%}"
-    tokenizer.save_pretrained(path)
-
-    class Sums:
-        def reset(self, a, b, **_):
-            self.sums, self.i = [(a, b), (b, 7), (a, 3)], 0
-            return f"{a}+{b}="
-
-        def step(self, action: str):
-            right = action.strip() == str(sum(self.sums[self.i]))
-            self.i += 1
-            done = self.i == len(self.sums)
-            return ("" if done else "{}+{}=".format(*self.sums[self.i])), float(right), done
-
-    task = rl.tasks.AgentTask(rl.tasks.get("arithmetic").train, env=Sums, max_turns=3)
-    s = rl.Session(model=str(path), task=task, sampler="hf", cluster="inline", prompts_per_step=4,
-                   samples_per_prompt=4, max_new_tokens=6, seed=1)
+    """tiny-arith playing three sums in one context (`agent_games.Sums`), sampled by the HF sampler."""
+    s = rl.Session(model=sums_model(tiny_dir, tmp_path_factory.mktemp("sums")), task=sums_task(), sampler="hf",
+                   cluster="inline", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=6, seed=1)
     yield s
     s.close()
 
@@ -407,3 +388,58 @@ def test_non_sampled_tokens_get_no_gradient(sums_session):
     assert (grad_norm_B_T[~sampled] == 0).all()
     assert (grad_norm_B_T[sampled] > 0).any()
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow
+def test_on_ray_environments_run_off_the_driver_and_a_slow_step_holds_up_only_its_episode(tiny_dir, tmp_path):
+    class Timed(Sums):
+        slow, slow_a = 2.0, None
+
+        def step(self, action: str):
+            if Timed.slow_a is None:  # the game of the first episode to act is slow
+                Timed.slow_a = self.a
+            return super().step(action)
+
+    class Clock(Timed):
+        t0 = time.time()  # travels with the class to the environment actor
+
+        def reward(self, episode):
+            import os
+
+            return {"right": sum(t.reward or 0.0 for t in episode.turns), "ended": time.time() - self.t0,
+                    "pid": os.getpid()}
+
+    import agent_games
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(agent_games)  # the actor cannot import the tests' modules
+    s = rl.Session(model=sums_model(tiny_dir, tmp_path), task=sums_task(Clock), sampler="hf", cluster="ray",
+                   prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, seed=1)
+    try:
+        start = time.time() - Clock.t0
+        batch = s.rollout()
+        assert os.getpid() not in batch["pid"].tolist()  # scored in the environment actor
+        slow = batch["ended"] - start >= 2.0
+        assert 1 <= int(slow.sum()) <= 4 and (batch["ended"][~slow] - start).max() < 2.0, batch["ended"] - start
+        s.step()
+    finally:
+        s.close()
+        cloudpickle.unregister_pickle_by_value(agent_games)
+
+
+@pytest.mark.parametrize("preset", [n for n in rl.algorithms.names() if rl.algorithms.get(n).needs_turns])
+def test_turn_credit_presets_train_on_episodes_with_per_turn_rewards(tiny_dir, tmp_path, preset):
+    s = rl.Session(model=sums_model(tiny_dir, tmp_path), task=sums_task(), algorithm=preset, sampler="hf",
+                   cluster="inline", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=6, seed=1)
+    batch = s.advantage(s.score(s.rollout()))
+    assert batch["turn_rewards"].abs().sum() > 0  # the game rewards each right sum
+    sampled = batch["loss_mask"].bool()
+    assert (batch["advantages"][~sampled] == 0).all() and batch["advantages"][sampled].abs().sum() > 0
+    metrics = s.run(steps=3, progress=False)
+    assert metrics["grad_norm"].gt(0).all() and metrics["skipped"].eq(0).all()
+    s.close()
+
+
+def test_turn_credit_presets_refuse_single_turn_tasks(tiny_dir):
+    with pytest.raises(ValueError, match="algorithm 'gigpo' credits each turn of an episode: it needs an agentic task"):
+        rl.Session(model="tiny-arith", task="arithmetic", algorithm="gigpo", cluster="inline")

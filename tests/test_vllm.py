@@ -211,3 +211,24 @@ def test_an_exported_policy_loads_in_vllm_with_the_same_greedy_completions(tmp_p
                                                                     out["response_mask"].sum(-1).tolist())],
                                          skip_special_tokens=True)
     assert completions == expected
+
+
+@pytest.mark.slow
+def test_agentic_greedy_episodes_are_the_hf_samplers(tiny_dir, tmp_path):
+    """Three sums in one context (`agent_games.Sums`): vLLM and the HF sampler play the same greedy episodes, turn
+    after turn (a new engine: this module's one closes; keep this test last)."""
+    from agent_games import sums_model, sums_task
+
+    model = sums_model(tiny_dir, tmp_path)
+    examples = rl.tasks.get("arithmetic").test[:24]
+    episodes = {}
+    for name in ("hf", "vllm"):
+        with rl.Session(model=model, task=sums_task(), sampler=name, cluster="inline", max_new_tokens=6) as s:
+            assert s.sampler.choice.startswith(name)
+            episodes[name] = s.workers.episodes.rollout(examples, list(range(len(examples))), greedy=True)
+    hf, vllm = episodes["hf"], episodes["vllm"]
+    assert hf["turns"].float().mean() > 2, hf["stop_reason"]  # most episodes play all three sums
+    for column in ("response_ids", "loss_mask", "turn", "turns"):
+        assert torch.equal(vllm[column], hf[column]), column
+    assert vllm["stop_reason"] == hf["stop_reason"]
+    torch.testing.assert_close(vllm["sampler_logp"], hf["sampler_logp"], atol=LOGP_ATOL, rtol=0)

@@ -7,7 +7,7 @@ is the paper's setting as run in verl's examples; each is stated in the descript
 
 from __future__ import annotations
 
-from . import advantages, losses  # noqa: F401  (registers the parts named below)
+from . import advantages, losses, turns  # noqa: F401  (registers the parts named below)
 from .registry import register_algorithm
 
 register_algorithm(
@@ -88,4 +88,21 @@ register_algorithm(
     advantage_kwargs={"norm_by_std": False},
     description="DPPO (arXiv:2602.04879): total-variation trust region 0.15, ratio cap 20, GRPO advantage "
     "without std, seq-mean-token-sum-norm, no KL (verl's example).",
+)
+
+# agentic (multi-turn) tasks only: the estimators read per-turn data (`Algorithm.needs_turns`)
+register_algorithm(
+    "mt_grpo", advantage="mt_grpo", loss="ppo_clip", reduction="seq-mean-token-mean", kl_coef=0.001,
+    description="MT-GRPO (arXiv:2505.11821): GRPO's outcome advantage plus the group-normalised reward of each "
+    "turn (turn_coef 1), PPO clip, k3 KL loss 0.001 (GRPO's). Agentic tasks only.",
+)
+register_algorithm(
+    "gigpo", advantage="gigpo", loss="ppo_clip", reduction="seq-mean-token-mean",
+    description="GiGPO (arXiv:2505.10978): episode-level GRPO plus step-level advantages over steps that saw the "
+    "same environment state (gamma 0.95, step_coef 1), PPO clip, no KL. Agentic tasks only.",
+)
+register_algorithm(
+    "turn_rloo", advantage="turn_rloo", loss="ppo_clip",
+    description="Per-turn leave-one-out baseline (verl RFC #7244): each turn's return-to-go minus the mean over "
+    "the group's other episodes that reached that turn, PPO clip, token-mean. Agentic tasks only.",
 )

@@ -21,10 +21,9 @@ import torch
 from .core import KL_KINDS, REDUCTIONS, AdaptiveKL, aggregate, kl
 from .correction import RolloutCorrection
 
-ADVANTAGE_DATA = (
-    "group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "reward_components_B_K",
-    "turn_B_T", "turn_rewards_B_N", "turns_B", "turn_state_B_N",
-)
+TURN_DATA = ("turn_B_T", "turn_rewards_B_N", "turns_B", "turn_state_B_N")
+"""The advantage data only an agentic (multi-turn) task has."""
+ADVANTAGE_DATA = ("group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "reward_components_B_K", *TURN_DATA)
 """Data an advantage estimator may declare as keyword arguments: the prompt group of each sample, the critic's
 values, the greedy baseline's score, the log-probs of the policy that sampled, the per-sample reward
 components ``[B, K]`` (a reward that returns a dict); and, from an agentic (multi-turn) task, the assistant-turn
@@ -283,6 +282,11 @@ class Algorithm:
                              f"correction: add a weights_B_T=None keyword (multiply the per-token loss by it)")
         if self.max_filter_rounds < 0 or self.overlong_buffer < 0:
             raise ValueError("max_filter_rounds and overlong_buffer must be >= 0")
+
+    @property
+    def needs_turns(self) -> bool:
+        """Whether the advantage reads per-turn data (an agentic task's episodes), by name in its signature."""
+        return any(name in inspect.signature(self.advantage).parameters for name in TURN_DATA)
 
     @property
     def needs_reference(self) -> bool:
