@@ -18,9 +18,11 @@
 
 The pieces: `tools` (function tools, an environment's tools, their JSON schemas), `parsers` (tool-call parsing:
 Hermes / Qwen built in), `render` (append-only rendering and the template check), `envs` (the environment
-worker), `episode` (an episode's tokens and its Batch row), `rollout` (stepping episodes, batched or by hand).
+worker), `episode` (an episode's tokens and its Batch row), `rollout` (stepping episodes, batched or by hand),
+`code` (`python_tool`: Python code run in the sandbox of `rlbench.rewards`).
 """
 
+from rlbench.agents.code import python_tool
 from rlbench.agents.envs import EnvPool
 from rlbench.agents.episode import ENDS, Episode, Turn, to_batch
 from rlbench.agents.parsers import HermesParser, Parser, ToolCall, get_parser
@@ -29,4 +31,5 @@ from rlbench.agents.rollout import EpisodeRunner
 from rlbench.agents.tools import Tool, tool, tools_of
 
 __all__ = ["ENDS", "EnvPool", "Episode", "EpisodeRunner", "HermesParser", "KINDS", "Parser", "Renderer",
-           "TemplateReport", "Tool", "ToolCall", "Turn", "check_template", "get_parser", "to_batch", "tool", "tools_of"]
+           "TemplateReport", "Tool", "ToolCall", "Turn", "check_template", "get_parser", "python_tool", "to_batch", "tool",
+           "tools_of"]
