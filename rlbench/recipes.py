@@ -18,6 +18,8 @@ reproduces with its source:
     model = "tiny-arith"
     task = "arithmetic"            # or a table: {name = "countdown", count = 4}  (a built-in task's options)
                                    #          or {train = "data/gsm8k/train.parquet", test = "data/gsm8k/test.parquet"}
+                                   #          or {name = "tool_math", train = "data/math/train.parquet"}  (a built-in
+                                   #             task over files)
     algorithm = "grpo"             # or a table: {preset = "grpo", kl_coef = 0.0}  (a preset with fields changed)
                                    #          or {name = "mine", advantage = "rloo", loss = "gpg"}  (a new one)
     lr = 1e-4
@@ -161,11 +163,12 @@ def session_kwargs(settings: dict) -> dict:
 
 
 def build_task(spec: str | dict):
-    """A task from a recipe's `task`: a built-in name, {name = ..., option = ...}, or {train = FILE, ...}."""
+    """A task from a recipe's `task`: a built-in name, {name = ..., option = ...} (a built-in's options may name
+    files: {name = "tool_math", train = FILE}), or {train = FILE, ...} (a task of the file's rows)."""
     if isinstance(spec, str):
         return tasks.get(spec)
     options = dict(spec)
-    if "train" in options:
+    if _file_table(options):
         train = options.pop("train")
         reader = tasks.from_jsonl if str(train).endswith(".jsonl") else tasks.from_parquet
         return reader(os.path.expanduser(train), **options)
@@ -210,8 +213,17 @@ def parse_value(text: str):
         return text
 
 
+def _file_table(spec: dict) -> bool:
+    """A task table of a file's rows ({train = FILE, ...}), not a built-in task's options: no built-in name, or
+    one whose factory takes no `train` (there `name` is the file task's label, an option of `from_parquet`)."""
+    if "train" not in spec:
+        return False
+    name = spec.get("name")
+    return name not in tasks.names() or "train" not in inspect.signature(tasks.factory(name)).parameters
+
+
 def _check_task(spec: dict, prefix: str) -> None:
-    if "train" in spec:
+    if _file_table(spec):
         accepted = {"train": str} | {k: v for k, v in typing.get_type_hints(tasks.from_parquet).items()
                                      if k not in ("path", "reward", "return")}
         _check_keys(prefix, spec, accepted)
@@ -219,7 +231,7 @@ def _check_task(spec: dict, prefix: str) -> None:
     if "name" not in spec:
         raise RecipeError(f"{prefix}name: missing; a task table has a built-in name or a train file")
     _check_choice(f"{prefix}name", spec["name"], tasks.names())
-    factory = type(tasks.get(spec["name"]))
+    factory = tasks.factory(spec["name"])  # its signature: nothing is built, no file is read
     hints = typing.get_type_hints(factory)
     options = {p: hints.get(p, Any) for p in inspect.signature(factory).parameters}
     _check_keys(prefix, spec, {"name": str} | options)

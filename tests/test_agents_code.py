@@ -1,5 +1,5 @@
 """The python tool (`rl.agents.python_tool`) on real sandbox runs, and agentic sessions that call it on a scripted
-sampler."""
+sampler: a custom AgentTask and the built-in `tool_math` task over verl-schema files."""
 
 import json
 import shutil
@@ -159,4 +159,27 @@ def test_code_that_fails_is_a_tool_result_the_model_reads(chat_dir, tokenizer, p
     assert ep.messages[-1]["content"] == "error: timed out after 1 s (the time limit)"
     ep.step()
     assert ep.turns[0].errors == [] and ep.reward() == 1.0  # the code failed, not the tool call
+    s.close()
+
+
+def test_tool_math_is_a_built_in_task_over_verl_files(chat_dir, tokenizer, tmp_path):
+    rows = [{**e, "prompt": [{"role": "user", "content": e["prompt"]}], "ability": "math"} for e in EXAMPLES]
+    rl.tasks.write_rows(rows, tmp_path / "train.parquet")
+    rl.tasks.write_rows(rows[:1], tmp_path / "test.jsonl")
+    task = rl.tasks.get("tool_math", train=str(tmp_path / "train.parquet"), test=str(tmp_path / "test.jsonl"))
+    assert isinstance(task, rl.tasks.AgentTask) and task.name == "tool_math" and len(task.train) == 3
+    assert task.test[0]["reward_model"]["ground_truth"] == "42" and task.tool_timeout_s is None
+    assert [t.name for t in task.tools] == ["python"] and task.system == rl.tasks.tool_math.SYSTEM
+    assert '<tool_call>\n{"name": "python", "arguments": {"code": "print(2**10)"}}\n</tool_call>' in task.system
+    # the default system prompt fills a 512-position context of one token per character: a short one here
+    task = rl.tasks.get("tool_math", train=str(tmp_path / "train.parquet"), test=str(tmp_path / "test.jsonl"),
+                        max_turns=2, timeout_s=2, shuffle=False, system="Use python.")
+    sampler = scripted(tokenizer, {0: call("python", code="print(6*7)")})
+    s = rl.Session(model=chat_dir, task=task, sampler=sampler, cluster="inline", prompts_per_step=1,
+                   samples_per_prompt=2, max_new_tokens=120)
+    ep = s.episode(task.test[0])
+    ep.step().step().step()
+    assert ep.final_text == "#### 42" and ep.reward() == 1.0
+    assert sampler.calls[0][0].startswith("<|system|>Use python.\n<|user|>What is 6*7?")
+    assert s.evaluate()["greedy_accuracy"] == 1.0
     s.close()

@@ -11,6 +11,7 @@ GROUND = {"batch", "config", "checkpoints", "runs", "algorithms", "models"}
 WINGS = {"policy", "samplers", "rewards", "tasks"}
 ALLOWED = {  # (importer, imported) across the rules, each stated on the page
     ("tasks", "rewards"),
+    ("tasks", "agents"),
 }
 
 

@@ -22,10 +22,11 @@ from rlbench.tasks.data import (DataTask, check_row, convert_files, from_jsonl, 
                                 read_rows, shuffled, split, write_rows)
 from rlbench.tasks.prompts import check_prompts, limit_prompt_tokens, longest_prompt_tokens, prompt_tokens
 from rlbench.tasks.synthetic import Countdown, ListTask, Multiplication, Reverse, Sort
+from rlbench.tasks import tool_math
 
 __all__ = [
     "AgentTask", "Arithmetic", "Countdown", "DataTask", "ListTask", "Multiplication", "Reverse", "Sort", "Task", "check_row",
-    "check_prompts", "convert_files", "encode_prompt", "fingerprint", "from_jsonl", "from_parquet", "get", "limit_prompt_tokens", "longest_prompt_tokens", "names",
+    "check_prompts", "convert_files", "encode_prompt", "factory", "fingerprint", "from_jsonl", "from_parquet", "get", "limit_prompt_tokens", "longest_prompt_tokens", "names",
     "prompt_tokens", "read_records", "read_rows", "render_prompt", "shuffled", "split", "write_rows",
 ]
 
@@ -46,6 +47,7 @@ _BUILTINS: dict[str, Callable[..., Task]] = {
     "reverse": Reverse,
     "countdown": Countdown,
     "calculator": calculator,
+    "tool_math": tool_math.tool_math,
 }
 """Built-in task name -> factory; `get(name, **kwargs)` calls it with the kwargs."""
 
@@ -63,9 +65,14 @@ def get(task: str | Task, **kwargs) -> Task:
         if not isinstance(task, (Task, AgentTask)):
             raise TypeError(f"{task!r} is not a Task: it needs name, train, test, truncated_reward and reward()")
         return task
-    if task not in _BUILTINS:
-        raise ValueError(f"unknown task {task!r}; built-in tasks: {', '.join(names())}")
-    return _BUILTINS[task](**kwargs)
+    return factory(task)(**kwargs)
+
+
+def factory(name: str) -> Callable[..., Task]:
+    """What `get(name, **options)` calls for a built-in task: its signature names the task's options."""
+    if name not in _BUILTINS:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(names())}")
+    return _BUILTINS[name]
 
 
 def fingerprint(task: Task) -> str:
