@@ -126,6 +126,22 @@ def test_dapo_math_removes_duplicates(tmp_path):
         assert task.reward("Answer: 0.123", example)["score"] == -1.0
 
 
+def test_deepmath_from_two_shards_is_graded_by_math_verify(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(DATASETS))  # the script reads MATH's instruction from prepare_math
+    raw = tasks.read_records(SAMPLES / "deepmath.jsonl")
+    tasks.write_rows(raw[:10], tmp_path / "train-00000-of-00002.parquet")
+    tasks.write_rows(raw[10:], tmp_path / "train-00001-of-00002.parquet")
+    script("prepare_deepmath").main(["--train", str(tmp_path / "train-00000-of-00002.parquet"),
+                                     str(tmp_path / "train-00001-of-00002.parquet"), "--out", str(tmp_path / "out")])
+    task = tasks.from_parquet(tmp_path / "out" / "train.parquet", shuffle=False)
+    assert len(raw) == len(task.train) == 16 and task.train[0]["data_source"] == "zwhe99/DeepMath-103K"
+    assert task.train[0]["prompt"][0]["content"].endswith("output the final answer within \\boxed{}.")
+    assert set(task.train[0]["extra_info"]) == {"split", "index", "difficulty", "topic"}
+    for record, example in zip(raw, task.train):
+        assert task.reward(record["r1_solution_1"], example)["acc"] == 1.0
+        assert task.reward("The answer is $\\boxed{12345}$.", example)["acc"] == 0.0
+
+
 # --- loaders ---------------------------------------------------------------------------------------------------
 @pytest.fixture
 def rows():

@@ -3,7 +3,7 @@
 Every problem here was written for this project (templated or by hand); none is copied from the public
 data sets. They exist so that the preparation scripts and the loaders are tested on real-looking records.
 
-    python datasets/samples/make_samples.py    # -> datasets/samples/{gsm8k,math,math500,countdown,dapo_math}.jsonl
+    python datasets/samples/make_samples.py    # -> datasets/samples/{gsm8k,math,math500,countdown,dapo_math,deepmath}.jsonl
 """
 
 from __future__ import annotations
@@ -113,10 +113,18 @@ def dapo_math() -> list[dict]:
     return rows + rows[:6]  # the published file repeats its problems: the script removes duplicates
 
 
+def deepmath() -> list[dict]:
+    from prepare_math import last_boxed  # DeepMath-103K's final_answer
+
+    return [{"question": p, "final_answer": last_boxed(s), "difficulty": 2.0 + int(lv.split()[-1]) / 2,
+             "topic": f"Mathematics -> {t}", "r1_solution_1": s, "r1_solution_2": s, "r1_solution_3": s}
+            for p, s, lv, t in MATH[8:]]
+
+
 def main() -> None:
     rng = random.Random(2025)
     for name, records in [("gsm8k", gsm8k(rng)), ("math", math_records()), ("math500", math500()),
-                          ("countdown", countdown(rng)), ("dapo_math", dapo_math())]:
+                          ("countdown", countdown(rng)), ("dapo_math", dapo_math()), ("deepmath", deepmath())]:
         (HERE / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         print(f"{name}: {len(records)} records")
 

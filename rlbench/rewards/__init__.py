@@ -39,6 +39,7 @@ DATA_SOURCES: dict[str, Callable[[str, dict], float | dict]] = {
     "lighteval/MATH": math_reward,
     "DigitalLearningGmbH/MATH-lighteval": math_reward,
     "HuggingFaceH4/MATH-500": math_reward,
+    "zwhe99/DeepMath-103K": math_reward,
     "math_dapo": dapo_math_reward,
     "BytedTsinghua-SIA/DAPO-Math-17k": dapo_math_reward,
     "countdown": countdown_reward,
