@@ -49,6 +49,15 @@ def test_dry_run_of_a_gpu_recipe_checks_without_weights_or_data():
     assert settings["session"]["algorithm"] == "ppo" and settings["session"]["critic_lr"] == 1e-5
 
 
+def test_dry_run_of_the_agentic_gpu_recipe_reads_no_task_file():
+    result = rlbench("run", str(REPO / "algorithms" / "grpo" / "tool-math-qwen2.5-math-1.5b.toml"), "--dry-run",
+                     "session.task.train=/nowhere/train.parquet")
+    assert result.returncode == 0, result.stderr
+    settings = last_json(result.stdout)
+    assert settings["steps"] == 320 and settings["session"]["task"]["train"] == "/nowhere/train.parquet"
+    assert settings["session"]["task"]["name"] == "tool_math"
+
+
 def test_short_run_trains_and_evaluates():
     result = rlbench("run", ARITHMETIC, "steps=3", "session.log_dir=none")
     assert result.returncode == 0, result.stderr

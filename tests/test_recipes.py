@@ -1,6 +1,8 @@
 """Recipes (algorithms/**/*.toml): every one loads and validates on CPU without weights or data; overrides are
 checked and a bad one names its key and what the key accepts."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,8 @@ ALGORITHMS = Path(__file__).resolve().parents[1] / "algorithms"
 RECIPES = sorted(p for p in ALGORITHMS.glob("*/*.toml"))
 ARITHMETIC = ALGORITHMS / "grpo" / "arithmetic-tiny.toml"
 GPU_RECIPES = [ALGORITHMS / "grpo" / "gsm8k-qwen2.5-0.5b.toml", ALGORITHMS / "ppo" / "gsm8k-qwen2.5-0.5b.toml",
-               ALGORITHMS / "dapo" / "math-qwen2.5-0.5b.toml"]
+               ALGORITHMS / "dapo" / "math-qwen2.5-0.5b.toml", ALGORITHMS / "grpo" / "tool-math-qwen2.5-math-1.5b.toml"]
+DATASETS = ALGORITHMS.parent / "datasets"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -27,7 +30,7 @@ def test_every_recipe_loads_and_validates(path):
 
 
 def test_gpu_recipes_follow_the_published_settings():
-    grpo, ppo, dapo = (recipes.load(p) for p in GPU_RECIPES)
+    grpo, ppo, dapo, _ = (recipes.load(p) for p in GPU_RECIPES)
     for recipe in (grpo, ppo, dapo):
         cfg = recipe.config()
         assert cfg.device == "cuda" and cfg.model.endswith("Qwen2.5-0.5B-Instruct") and cfg.lr == 1e-6
@@ -37,6 +40,39 @@ def test_gpu_recipes_follow_the_published_settings():
     assert grpo.config().samples_per_prompt == 5 and grpo.config().prompts_per_step == 1024
     assert "verl" in grpo.target.source
     assert dapo.target is None and dapo.config().algorithm == "dapo" and dapo.config().samples_per_prompt == 16
+
+
+def test_tool_math_recipe_follows_verl_tool_and_validates_without_its_files(tmp_path):
+    recipe = recipes.load(GPU_RECIPES[3])  # the task's files and the weights are not here: nothing reads them
+    cfg = recipe.config()
+    assert cfg.device == "cuda" and cfg.model.endswith("Qwen2.5-Math-1.5B") and recipe.steps == 320
+    assert (cfg.prompts_per_step, cfg.samples_per_prompt, cfg.mini_batches_per_step) == (128, 16, 1)
+    assert cfg.lr == 1e-6 and cfg.lr_warmup_steps == 10 and cfg.temperature == 1.0 and cfg.max_new_tokens == 2048
+    assert cfg.algorithm == {"preset": "grpo", "kl_coef": 0.0, "reduction": "token-mean"}
+    assert cfg.task["name"] == "tool_math" and cfg.task["max_turns"] == 10 and cfg.task["max_context_tokens"] == 4096
+    assert recipe.target.value == 0.774 and "arXiv:2509.01055" in recipe.target.source
+    assert "ToRL-1.5B 77.80" in recipe.target.source and "arXiv:2503.23383" in recipe.target.source
+    with pytest.raises(recipes.RecipeError, match="session.task.max_turn: unknown key; accepted: name, train, test"):
+        recipes.load(GPU_RECIPES[3], ["session.task.max_turn=3"])
+    # with the files there (the shipped samples, prepared), the table builds the agentic task
+    for name, args in [("prepare_deepmath", ["--train", str(DATASETS / "samples" / "deepmath.jsonl")]),
+                       ("prepare_math", ["--subset", "math500", "--test", str(DATASETS / "samples" / "math500.jsonl")])]:
+        subprocess.run([sys.executable, str(DATASETS / f"{name}.py"), *args, "--out", str(tmp_path)], check=True,
+                       capture_output=True)
+    recipe = recipes.load(GPU_RECIPES[3], [f"session.task.train={tmp_path / 'train.parquet'}",
+                                           f"session.task.test={tmp_path / 'test.parquet'}"])
+    task = recipe.session_kwargs()["task"]
+    assert isinstance(task, rl.tasks.AgentTask) and task.name == "tool_math" and task.max_turns == 10
+    assert (len(task.train), len(task.test)) == (16, 16) and [t.name for t in task.tools] == ["python"]
+    assert task.train[0]["data_source"] == "zwhe99/DeepMath-103K" and task.max_context_tokens == 4096
+
+
+def test_a_file_table_named_like_a_built_in_without_files_stays_a_file_task(tmp_path):
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{i}+1?"}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}} for i in range(4)]
+    rl.tasks.write_rows(rows, tmp_path / "train.parquet")
+    task = recipes.build_task({"train": str(tmp_path / "train.parquet"), "name": "countdown"})  # a label here
+    assert isinstance(task, rl.tasks.DataTask) and task.name == "countdown" and len(task.train) == 4
 
 
 def test_arithmetic_recipe_target_is_measured_and_honest():
