@@ -290,13 +290,18 @@ class Leaderboard:
     workers: int
     """Runs at once, each in a Ray task with one torch thread (1: in this process)."""
     presets: tuple[str, ...]
-    """Presets to run (empty: every registered preset, `rl.algorithms.names()`)."""
+    """Presets to run (empty: every single-turn preset, `single_turn_presets()`)."""
     tasks: dict
     """Label -> Session keyword arguments (no algorithm, no seed: the leaderboard sets them)."""
 
 
 _LEADERBOARD = {"description": str, "steps": int, "reward_at": int, "seeds": list, "workers": int, "presets": list,
                 "tasks": dict}
+
+
+def single_turn_presets() -> list[str]:
+    """Every registered preset that trains on single-turn tasks (those whose advantage reads no per-turn data)."""
+    return [name for name in algorithms.names() if not algorithms.get(name).needs_turns]
 
 
 def load_leaderboard(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Leaderboard:
@@ -318,4 +323,4 @@ def load_leaderboard(path: str | os.PathLike, overrides: typing.Sequence[str] = 
     reward_at = min(raw.get("reward_at", raw["steps"]), raw["steps"])
     return Leaderboard(path=str(path), steps=raw["steps"], reward_at=reward_at, seeds=tuple(raw["seeds"]),
                        workers=raw.get("workers", 1),
-                       presets=tuple(raw.get("presets") or algorithms.names()), tasks=raw["tasks"])
+                       presets=tuple(raw.get("presets") or single_turn_presets()), tasks=raw["tasks"])

@@ -135,7 +135,7 @@ def test_file_task_table_builds_a_data_task(tmp_path):
 
 def test_leaderboard_spec_covers_every_preset_on_two_tasks():
     spec = recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml")
-    assert spec.presets == tuple(rl.algorithms.names()) and len(spec.seeds) == 3 and len(spec.tasks) == 2
+    assert spec.presets == tuple(recipes.single_turn_presets()) and len(spec.seeds) == 3 and len(spec.tasks) == 2
     assert {s["task"] for s in spec.tasks.values()} == {"arithmetic", "countdown"}
     with pytest.raises(recipes.RecipeError, match="tasks.arithmetic.seed: set by the leaderboard"):
         recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["tasks.arithmetic.seed=3"])
