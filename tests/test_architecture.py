@@ -8,10 +8,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "ARCHITECTURE.md").read_text()
 
 GROUND = {"batch", "config", "checkpoints", "runs", "algorithms", "models"}
-WINGS = {"policy", "samplers", "rewards", "tasks"}
+WINGS = {"policy", "samplers", "rewards", "tasks", "agents"}
 ALLOWED = {  # (importer, imported) across the rules, each stated on the page
     ("tasks", "rewards"),
     ("tasks", "agents"),
+    ("agents", "rewards"),
 }
 
 
