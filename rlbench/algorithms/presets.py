@@ -103,6 +103,7 @@ register_algorithm(
 )
 register_algorithm(
     "turn_rloo", advantage="turn_rloo", loss="ppo_clip",
-    description="Per-turn leave-one-out baseline (verl RFC #7244): each turn's return-to-go minus the mean over "
-    "the group's other episodes that reached that turn, PPO clip, token-mean. Agentic tasks only.",
+    description="RLOO's leave-one-out baseline (arXiv:2402.14740) per turn, unbiased as verl RFC #7244 asks: each "
+    "turn's return-to-go minus the mean over the group's other episodes that reached that turn, PPO clip, "
+    "token-mean. Agentic tasks only.",
 )

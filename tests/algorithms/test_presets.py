@@ -30,6 +30,9 @@ TABLE = {
     "opo": ("opo", "ppo_clip", "token-mean", {}),
     "grpo_passk": ("grpo_passk", "ppo_clip", "token-mean", {}),
     "dppo": ("grpo", "dppo_tv", "seq-mean-token-sum-norm", dict(advantage_kwargs={"norm_by_std": False})),
+    "mt_grpo": ("mt_grpo", "ppo_clip", "seq-mean-token-mean", dict(kl_coef=0.001, needs_turns=True)),
+    "gigpo": ("gigpo", "ppo_clip", "seq-mean-token-mean", dict(kl_coef=0.0, needs_turns=True)),
+    "turn_rloo": ("turn_rloo", "ppo_clip", "token-mean", dict(needs_turns=True)),
 }
 
 
@@ -57,6 +60,7 @@ def random_batch(seed=0):
     rewards_B_T = torch.zeros(B, T)
     rewards_B_T[torch.arange(B), lengths_B - 1] = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 0.3, 1.0, 0.0])
     old_logp_B_T = -torch.rand(B, T, generator=generator) * 3
+    turns_B = 1 + (lengths_B >= 2).long()
     return dict(
         rewards_B_T=rewards_B_T,
         mask_B_T=mask_B_T,
@@ -68,13 +72,19 @@ def random_batch(seed=0):
         logp_B_T=old_logp_B_T + 0.2 * torch.randn(B, T, generator=generator),
         ref_logp_B_T=old_logp_B_T + 0.2 * torch.randn(B, T, generator=generator),
         entropy_B_T=torch.rand(B, T, generator=generator),
+        # two turns per response of 2+ tokens (its second half is turn 1), for the turn-credit presets
+        turns_B=turns_B,
+        turn_B_T=((torch.arange(T) >= (lengths_B[:, None] + 1) // 2) & (turns_B[:, None] == 2)).long(),
+        turn_rewards_B_N=torch.rand(B, 2, generator=generator) * (torch.arange(2) < turns_B[:, None]),
+        turn_state_B_N=torch.randint(3, (B, 2), generator=generator).masked_fill(torch.arange(2) >= turns_B[:, None], -1),
     )
 
 
 def advantages_of(alg, batch):
     return alg.estimate(
         batch["rewards_B_T"], batch["mask_B_T"], group_ids=batch["group_ids"], values_B_T=batch["values_B_T"],
-        baselines_B=batch["baselines_B"], old_logp_B_T=batch["old_logp_B_T"],
+        baselines_B=batch["baselines_B"], old_logp_B_T=batch["old_logp_B_T"], turn_B_T=batch["turn_B_T"],
+        turn_rewards_B_N=batch["turn_rewards_B_N"], turns_B=batch["turns_B"], turn_state_B_N=batch["turn_state_B_N"],
     )
 
 
