@@ -30,23 +30,12 @@ __all__ = [
     "prompt_tokens", "read_records", "read_rows", "render_prompt", "shuffled", "split", "write_rows",
 ]
 
-def calculator(max_turns: int = 3, tool_timeout_s: float = 5.0) -> AgentTask:
-    """Two-digit multiplication with a `calc` tool (`rl.tasks.calculator.Calculator`): the built-in agentic task,
-    made for the `tiny-tools` model (200 held-out problems)."""
-    from rlbench.tasks.calculator import Calculator, calculator_split
-
-    train, test = calculator_split()
-    return AgentTask(train, test, env=Calculator, max_turns=max_turns, tool_timeout_s=tool_timeout_s,
-                     name="calculator")
-
-
 _BUILTINS: dict[str, Callable[..., Task]] = {
     "arithmetic": Arithmetic,
     "multiplication": Multiplication,
     "sort": Sort,
     "reverse": Reverse,
     "countdown": Countdown,
-    "calculator": calculator,
     "tool_math": tool_math.tool_math,
 }
 """Built-in task name -> factory; `get(name, **kwargs)` calls it with the kwargs."""
