@@ -1,9 +1,33 @@
-"""A game tiny-arith can play for the agentic tests: three sums in one context, each answer an action."""
+"""What the agentic tests share: tiny-arith behind a chat template, a tool call's text, and a game tiny-arith can
+play (three sums in one context, each answer an action)."""
 
+import json
 import shutil
 from pathlib import Path
 
 import rlbench as rl
+
+
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""Append-only: every message renders the same whatever follows it."""
+
+
+def chat_model(tiny_dir: str, folder: Path) -> str:
+    """tiny-arith's weights with 512 positions (tool calls are long in characters) and the chat template `TEMPLATE`."""
+    path = folder / "model"
+    shutil.copytree(tiny_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 512}))
+    tokenizer = rl.models.load_tokenizer(path)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def call(name: str, **arguments) -> str:
+    """A Hermes tool call's text."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
 class Sums:

@@ -2,7 +2,6 @@
 ones (the trainer's log-probs of sampled tokens equal the sampler's across turns; non-sampled tokens get no
 gradient)."""
 
-import json
 import os
 import shutil
 import time
@@ -11,13 +10,10 @@ import pytest
 import torch
 
 import rlbench as rl
+from agent_games import Sums, call, chat_model, sums_model, sums_task
 from rlbench.agents import HermesParser, check_template, tools_of
-from agent_games import Sums, sums_model, sums_task
 from rlbench.samplers import ScriptedSampler
 
-TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-"""Append-only: every message renders the same whatever follows it."""
 DRIFTING = ("{% for m in messages %}{% set c = m.content %}"
             "{% if m.role == 'assistant' and not loop.last and '</think>' in c %}{% set c = c.split('</think>')[1] %}"
             "{% endif %}<|{{ m.role }}|>{{ c }}\n{% endfor %}"
@@ -27,24 +23,12 @@ DRIFTING = ("{% for m in messages %}{% set c = m.content %}"
 
 @pytest.fixture(scope="module")
 def chat_dir(tiny_dir, tmp_path_factory):
-    """tiny-arith's weights with 512 positions and a chat template (tool calls are long in characters)."""
-    path = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(tiny_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 512}))
-    tokenizer = rl.models.load_tokenizer(path)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return chat_model(tiny_dir, tmp_path_factory.mktemp("chat"))
 
 
 @pytest.fixture(scope="module")
 def tokenizer(chat_dir):
     return rl.models.load_tokenizer(chat_dir)
-
-
-def call(name: str, **arguments) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
 class Calc:

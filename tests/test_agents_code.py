@@ -1,8 +1,6 @@
 """The python tool (`rl.agents.python_tool`) on real sandbox runs, and agentic sessions that call it on a scripted
 sampler: a custom AgentTask and the built-in `tool_math` task over verl-schema files."""
 
-import json
-import shutil
 import threading
 import time
 
@@ -10,24 +8,13 @@ import cloudpickle
 import pytest
 
 import rlbench as rl
+from agent_games import call, chat_model
 from rlbench.samplers import ScriptedSampler
-
-TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-"""Append-only: every message renders the same whatever follows it."""
 
 
 @pytest.fixture(scope="module")
 def chat_dir(tiny_dir, tmp_path_factory):
-    """tiny-arith's weights with 512 positions and a chat template (tool calls are long in characters)."""
-    path = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(tiny_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 512}))
-    tokenizer = rl.models.load_tokenizer(path)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return chat_model(tiny_dir, tmp_path_factory.mktemp("chat"))
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +25,6 @@ def tokenizer(chat_dir):
 @pytest.fixture(scope="module")
 def python():
     return rl.agents.python_tool(timeout_s=1.0, memory_mb=256, max_output_chars=200, output_bytes=1 << 16)
-
-
-def call(name: str, **arguments) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
 # ------------------------------------------------------------------------------------------- the tool
