@@ -17,6 +17,14 @@ def tiny_dir():
 
 
 @pytest.fixture(scope="session")
+def chat_dir(tiny_dir, tmp_path_factory):
+    """tiny-arith behind a chat template, with room for tool calls (`agent_games.chat_model`)."""
+    from agent_games import chat_model
+
+    return chat_model(tiny_dir, tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="session")
 def tiny(tiny_dir):
     """(model, tokenizer) of the built-in tiny model."""
     return rl.models.load(tiny_dir)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rlbench as rl
-from agent_games import Sums, call, chat_model, sums_model, sums_task
+from agent_games import Sums, call, sums_model, sums_task
 from rlbench.agents import HermesParser, check_template, tools_of
 from rlbench.samplers import ScriptedSampler
 
@@ -19,11 +19,6 @@ DRIFTING = ("{% for m in messages %}{% set c = m.content %}"
             "{% endif %}<|{{ m.role }}|>{{ c }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 """Drops the reasoning of earlier assistant turns (as Qwen3's template does): not append-only."""
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tiny_dir, tmp_path_factory):
-    return chat_model(tiny_dir, tmp_path_factory.mktemp("chat"))
 
 
 @pytest.fixture(scope="module")

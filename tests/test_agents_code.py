@@ -8,13 +8,8 @@ import cloudpickle
 import pytest
 
 import rlbench as rl
-from agent_games import call, chat_model
+from agent_games import call
 from rlbench.samplers import ScriptedSampler
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tiny_dir, tmp_path_factory):
-    return chat_model(tiny_dir, tmp_path_factory.mktemp("chat"))
 
 
 @pytest.fixture(scope="module")
