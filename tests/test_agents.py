@@ -240,9 +240,18 @@ def test_a_bad_call_becomes_a_tool_message_and_a_count(chat_dir, tokenizer, turn
 
 
 def test_max_turns_context_overflow_and_a_failing_reset_are_recorded(chat_dir, tokenizer):
-    s = session(chat_dir, tokenizer, {k: call("calc", expression="2*2") for k in range(9)}, max_turns=2)
+    closed = []
+
+    class Closing(Calc):
+        def close(self):
+            closed.append(self.answer)
+
+    s = session(chat_dir, tokenizer, {k: call("calc", expression="2*2") for k in range(9)}, max_turns=2, env=Closing)
+    closed.clear()  # the start-up template check's environment
     batch = s.rollout()
     assert batch["stop_reason"] == ["max_turns"] * 4 and batch["turns"].tolist() == [2] * 4
+    pool = next(g for g in s.workers.groups if g.name == "envs").hosts[0].objects["envs"]
+    assert len(closed) == 4 and pool.envs == {}  # no environment outlives its episode
     s.close()
 
     s = session(chat_dir, tokenizer, {k: call("calc", expression="2*2") for k in range(99)}, max_turns=99)
@@ -265,6 +274,13 @@ def test_max_turns_context_overflow_and_a_failing_reset_are_recorded(chat_dir, t
     assert {batch["reward_error"][i] for i in broken.nonzero().flatten()} == {"reset raised KeyError: 'no such level'"}
     assert batch["loss_mask"][broken].sum() == 0 and batch["score"].tolist() == (~broken).float().tolist()
     s.step()  # a partial batch trains
+    s.close()
+
+
+def test_episodes_overlap_with_the_update(chat_dir, tokenizer):
+    s = session(chat_dir, tokenizer, {0: lambda c: call("calc", expression=question(c))}, overlap_rollout=True)
+    metrics = s.run(steps=3, progress=False)
+    assert metrics["turns_mean"].tolist() == [2.0] * 3 and metrics["reward_mean"].tolist() == [1.0] * 3
     s.close()
 
 
@@ -352,7 +368,7 @@ def test_non_sampled_tokens_get_no_gradient(sums_session):
 
     batch = sums_session.advantage(sums_session.score(sums_session.rollout()))
     batch = batch.with_columns(advantages=torch.ones_like(batch["advantages"]) * batch["response_mask"])
-    model = sums_session.workers.groups[0].hosts[0].objects["policy"].model
+    model = next(g for g in sums_session.workers.groups if g.name == "policy").hosts[0].objects["policy"].model
     logits = response_logits(model, batch.trimmed())
     logits.retain_grad()
     logp = rl.algorithms.token_logp(logits, batch.trimmed()["response_ids"])

@@ -225,6 +225,10 @@ def test_agentic_greedy_episodes_are_the_hf_samplers(tiny_dir, tmp_path):
     for name in ("hf", "vllm"):
         with rl.Session(model=model, task=sums_task(), sampler=name, cluster="inline", max_new_tokens=6) as s:
             assert s.sampler.choice.startswith(name)
+            if name == "vllm":  # each turn's context starts with the last one's: its KV blocks are reused
+                group = next(g for g in s.workers.groups if g.name == "sampler")
+                engine = group.hosts[0].objects["sampler"].llm.llm_engine
+                assert engine.vllm_config.cache_config.enable_prefix_caching
             episodes[name] = s.workers.episodes.rollout(examples, list(range(len(examples))), greedy=True)
     hf, vllm = episodes["hf"], episodes["vllm"]
     assert hf["turns"].float().mean() > 2, hf["stop_reason"]  # most episodes play all three sums

@@ -110,6 +110,7 @@ class VLLMSampler:
                 enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
                 enable_sleep_mode=sleep_mode and not on_cpu, skip_tokenizer_init=True, generation_config="vllm",
                 use_tqdm_on_load=False,
+                enable_prefix_caching=True,  # an episode's next turn starts with its last context: its KV is reused
                 logprobs_mode="processed_logits", logits_processors=[TemperatureScaledLogprobs],
                 worker_extension_cls="rlbench.samplers.vllm_worker.WeightLoader")
         self._finalizer = weakref.finalize(self, self.llm.llm_engine.engine_core.shutdown)
