@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
@@ -9,6 +11,7 @@ from rlbench.policy import batch_logp
 from rlbench.samplers import HFSampler, SamplingParams, sample_next
 from rlbench.samplers.decoder import CompactDecoder
 from rlbench.samplers.hf import TransformersDecoder
+from rlbench.samplers.kv_store import KVStore
 
 # prompts of different lengths, so left padding and per-row positions are exercised
 PROMPTS = ["12+34=", "7+5=", "99+99=", "3+40=", "50+6=", "1+1="]
@@ -184,3 +187,115 @@ def test_qwen3_per_head_norms_match_transformers(tiny):
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     qwen3 = Qwen3ForCausalLM(config).eval()
     assert isinstance(decodes_like_transformers(qwen3, tokenizer).decoder, CompactDecoder)
+
+
+def continued(rows, out, n, tail):
+    """The next turn's prompts: each row of `out` that ended with a stop token, its prompt (rows[row // n])
+    followed by its completion, stop token included, and `tail` (the rows that ran to max_new_tokens end)."""
+    lengths = out["response_mask"].sum(-1).tolist()
+    return [rows[b // n] + out["response_ids"][b, :lengths[b]].tolist() + tail
+            for b in range(len(out)) if out["finished"][b]]
+
+
+def prefill_widths(sampler, monkeypatch):
+    """The number of columns of each prefill `sampler`'s compact decoder runs from now on."""
+    widths, forward = [], sampler.decoder._forward
+
+    def spy(ids_B_S, *args, last_only=False):
+        if last_only:
+            widths.append(ids_B_S.shape[1])
+        return forward(ids_B_S, *args, last_only=last_only)
+    monkeypatch.setattr(sampler.decoder, "_forward", spy)
+    return widths
+
+
+@pytest.mark.parametrize("n, temperature, next_n, next_temperature", [
+    (1, 0.0, 1, 0.0), (3, 1.0, 2, 1.0), (3, 1.0, 1, 0.0), (1, 0.0, 4, 1.3)])
+def test_kept_cache_gives_what_a_full_prefill_gives(tiny, monkeypatch, n, temperature, next_n, next_temperature):
+    """A three-turn episode: each turn continues the contexts of the last turn's rows that stopped (plus a fresh
+    prompt). With keep_cache the sampler prefills only the new tokens, and draws exactly what a fresh sampler
+    without it draws from the whole contexts (per-prompt seeds: draws do not depend on the batch)."""
+    model, tokenizer = tiny
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    rows = encode(tokenizer, PROMPTS)
+    # 3 new tokens: "99+99=" and samples with long answers run out before their EOS
+    out = sampler.generate(rows, SamplingParams(n=n, max_new_tokens=3, temperature=temperature,
+                                                seeds=tuple(range(len(rows))), keep_cache=True))
+    assert 0 < int(out["finished"].sum()) < len(out)
+    widths = prefill_widths(sampler, monkeypatch)
+    tail, fresh_prompt = encode(tokenizer, ["2+3=", "8+8="])
+    for turn in [1, 2]:
+        rows = continued(rows, out, n, tail) + [fresh_prompt]
+        params = SamplingParams(n=next_n, max_new_tokens=4, temperature=next_temperature,
+                                seeds=tuple(range(100 * turn, 100 * turn + len(rows))))
+        out, n = sampler.generate(rows, dataclasses.replace(params, keep_cache=True)), next_n
+        fresh = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        expected = fresh.generate(rows, params)
+        assert torch.equal(out["response_ids"], expected["response_ids"])
+        torch.testing.assert_close(out["sampler_logp"], expected["sampler_logp"], atol=1e-5, rtol=0)
+        # computed: the columns of the new tokens (the stop token and the tail; the fresh prompt is shorter)
+        assert widths[-1] == len(tail) + 1 < max(map(len, rows))
+
+
+def test_load_weights_clears_the_kept_cache(tiny_dir, tiny):
+    """K/V kept under the old weights are not reused under new ones: the next turn equals a fresh sampler's."""
+    _, tokenizer = tiny
+    model, _ = rl.models.load(tiny_dir)
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    rows = encode(tokenizer, PROMPTS)
+    out = sampler.generate(rows, SamplingParams(max_new_tokens=4, temperature=0, keep_cache=True))
+    assert len(sampler.kept) > 0
+    generator = torch.Generator().manual_seed(0)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
+    sampler.load_weights(new)
+    assert len(sampler.kept) == 0
+    rows = continued(rows, out, 1, encode(tokenizer, ["2+3="])[0])
+    params = SamplingParams(n=2, max_new_tokens=4, seeds=tuple(range(len(rows))))
+    got = sampler.generate(rows, dataclasses.replace(params, keep_cache=True))
+    fresh = HFSampler(rl.models.load(tiny_dir)[0], eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    fresh.load_weights(new)
+    expected = fresh.generate(rows, params)
+    assert torch.equal(got["response_ids"], expected["response_ids"])
+    torch.testing.assert_close(got["sampler_logp"], expected["sampler_logp"], atol=1e-5, rtol=0)
+
+
+def test_kept_cache_is_opt_in_and_bounded(tiny):
+    """keep_cache=False keeps nothing (nor does the transformers path); a kept context is dropped once a call
+    uses it, or after 2 calls that did not."""
+    model, tokenizer = tiny
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    rows, params = encode(tokenizer, PROMPTS), SamplingParams(n=4, max_new_tokens=4, seed=0)
+    sampler.generate(rows, params)
+    assert len(sampler.kept) == 0
+    transformers_path = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    transformers_path.decoder = TransformersDecoder(model)
+    transformers_path.generate(rows, dataclasses.replace(params, keep_cache=True))
+    assert len(transformers_path.kept) == 0
+
+    out = sampler.generate(rows, dataclasses.replace(params, keep_cache=True))
+    kept = len(sampler.kept)
+    # one entry per distinct context that stopped (samples that drew the same tokens share one)
+    stopped = {tuple(rows[b // 4] + out["response_ids"][b, : int(out["response_mask"][b].sum()) - 1].tolist())
+               for b in range(len(out)) if out["finished"][b]}
+    assert kept == len(stopped) > 0
+    first = continued(rows, out, 4, encode(tokenizer, ["1+1="])[0])[0]
+    sampler.generate([first], SamplingParams(temperature=0, max_new_tokens=1, keep_cache=True))  # uses one
+    assert len(sampler.kept) == kept - 1
+    sampler.generate(rows, params)  # the second call since they were stored: they go
+    assert len(sampler.kept) == 0
+
+
+def test_kv_store_takes_the_longest_exact_prefix():
+    store = KVStore()
+    for ids in [[5, 6], [5, 6, 7, 8], [5, 6, 7, 9, 9]]:  # K/V filled with the length, to tell them apart
+        kv = torch.full((1, 1, len(ids), 2), float(len(ids)))
+        store.store(ids, kv, kv)
+    found = store.take([[5, 6, 7, 8, 1], [5, 6, 7, 8], [5, 6, 7, 9, 8, 8], [6, 5, 7], [5]], torch.float32,
+                       torch.device("cpu"))
+    # the longest stored prefix; at least the last token left to compute; tokens compared exactly
+    assert [None if kv is None else kv[0].shape[2] for kv in found] == [4, 2, 2, None, None]
+    assert float(found[0][0].flatten()[0]) == 4.0
+    assert len(store) == 1  # the ones given out are dropped: [5, 6, 7, 9, 9] is left
+    store.take([[1, 2]], torch.bfloat16, torch.device("cpu"))  # another dtype: nothing kept fits
+    assert len(store) == 0

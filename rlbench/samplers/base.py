@@ -30,6 +30,12 @@ class SamplingParams:
     """One seed per prompt instead (a prompt's draws then do not depend on the other prompts of the call)."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a completion besides the sampler's EOS (a tool call's end), kept in the completion."""
+    keep_cache: bool = False
+    """Keep the KV cache of each completion that ends with a stop token, for a later call whose prompt continues
+    it (an episode's next turn); the HF sampler then prefills only the new tokens. A kept cache is dropped once
+    a call uses it or when the next 2 calls do not, all of them on `load_weights`. The HF sampler keeps them on
+    its compact decoder (Qwen2, Qwen3, Llama) only: on other architectures this has no effect. vLLM ignores
+    it: its prefix caching reuses shared prefixes without being asked."""
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,8 @@ one row per distinct context (see `keep`), an additive padding mask, and attenti
 products (on a CPU, `scaled_dot_product_attention` costs several times the arithmetic of a one-token
 query), so a step is a few dozen tensor ops. The layer weights are transposed copies of the
 transformers model's (the embedding and LM head are shared), re-read after every weight load (`refresh`).
+A prefill can start from K/V an earlier call kept (`contexts`, then `start`'s `cached_N`): an episode's next turn
+computes only its new tokens.
 """
 
 from __future__ import annotations
@@ -69,8 +71,14 @@ class CompactDecoder:
             ))
 
     @torch.no_grad()
-    def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Prefill N left-padded prompts, one decoder row each; returns the logits `[N, V]` of the first new token."""
+    def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int,
+              cached_N: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
+        """Prefill N left-padded prompts, one decoder row each; returns the logits `[N, V]` of the first new token.
+
+        `cached_N`: per row, None or the K/V `[layers, KV, l, D]` of its prompt's first l tokens (fewer than
+        the prompt's; from `contexts` of an earlier call on the same weights). They are copied in, and the
+        forward runs from the first column that some row has no K/V for (rows with more cached tokens
+        recompute the difference)."""
         if self.layers is None:
             self._read_weights()
         N, P = ids_N_P.shape
@@ -85,19 +93,46 @@ class CompactDecoder:
             cos, sin = self.model.model.rotary_emb(self.embed[:1], torch.arange(reach, device=device)[None])
             half = self.head_dim // 2
             self.cos_sin_L_2_D = torch.stack([cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)], 1)
-        # a padded query attends to itself so that its (unused) output stays finite
-        causal_P_P = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-        allowed_N_P_P = (causal_P_P & mask_N_P.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
         # N rows of L positions; a row's positions past `self.length` are never read, so they start unset
         self.cache_K = torch.empty(len(self.layers), N, self.kv_heads, L, self.head_dim, device=device, dtype=dtype)
         self.cache_V = torch.empty_like(self.cache_K)
-        logits_N_V = self._forward(ids_N_P, position_N_P, _additive(allowed_N_P_P, dtype), self.cache_K,
-                                   self.cache_V, 0, last_only=True)[:, -1]
+        first = self._copy_cached(mask_N_P, cached_N) if cached_N is not None else 0
+        # queries at columns first..P-1 (S of them); a padded query attends to itself so that its (unused)
+        # output stays finite
+        query_S, key_P = torch.arange(first, P, device=device), torch.arange(P, device=device)
+        allowed_N_S_P = (((key_P <= query_S[:, None]) & mask_N_P.bool()[:, None, :])
+                         | (key_P == query_S[:, None]))
+        logits_N_V = self._forward(ids_N_P[:, first:], position_N_P[:, first:], _additive(allowed_N_S_P, dtype),
+                                   self.cache_K, self.cache_V, first, last_only=True)[:, -1]
         # generated positions are all attended to: only the prompts' padding is masked
         self.bias_N_L = torch.zeros(N, L, device=device, dtype=dtype)
         self.bias_N_L[:, :P] = _additive(mask_N_P.bool(), dtype)
         self.length, self.position_N = P, position_N_P[:, -1]
         return logits_N_V
+
+    def _copy_cached(self, mask_N_P: torch.Tensor, cached_N: list) -> int:
+        """Write each row's cached K/V into its columns (a row's tokens start after its left padding); returns
+        the first column to compute: the earliest one that some row has no K/V for."""
+        P = mask_N_P.shape[1]
+        start_N = (P - mask_N_P.sum(-1)).tolist()
+        first = min(start + (0 if kv is None else kv[0].shape[2]) for start, kv in zip(start_N, cached_N))
+        if first == 0:  # a row without cached K/V fills the batch's width: everything is computed
+            return 0
+        # the padding columns before `first` are read (masked out): zeros, as finite as computed padding
+        self.cache_K[..., :first, :].zero_()
+        self.cache_V[..., :first, :].zero_()
+        for n, (start, kv) in enumerate(zip(start_N, cached_N)):
+            if kv is not None and start < first:  # columns from `first` on are computed anyway
+                self.cache_K[:, n, :, start:first] = kv[0][:, :, : first - start]
+                self.cache_V[:, n, :, start:first] = kv[1][:, :, : first - start]
+        return first
+
+    def contexts(self, rows_c: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of these rows' K/V `[layers, KV, l, D]` from their first real token to the last column written
+        (what `start` takes back as a row's `cached_N` entry)."""
+        first_c = (self.length - 1 - self.position_N[rows_c]).tolist()  # the last column holds position_N
+        return [(self.cache_K[:, c, :, first : self.length].clone(), self.cache_V[:, c, :, first : self.length].clone())
+                for c, first in zip(rows_c, first_c)]
 
     def keep(self, rows_c: torch.Tensor) -> None:
         """Go on with these rows of the batch, in this order; a row listed k times is copied k times (a

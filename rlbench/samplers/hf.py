@@ -21,13 +21,16 @@ from rlbench.batch import Batch, left_pad
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
 from rlbench.samplers.base import SamplingParams, as_tensors
+from rlbench.samplers.kv_store import KVStore
 
 
 class HFSampler:
     """The Sampler protocol on a transformers model (any device the model is on).
 
     Llama-family models (Qwen2, Qwen3, Llama) decode through `CompactDecoder`; any other causal LM
-    through transformers' own forward with a DynamicCache. Both give the model's exact distribution.
+    through transformers' own forward with a DynamicCache. Both give the model's exact distribution. With
+    `SamplingParams.keep_cache`, the compact decoder keeps the K/V of finished contexts for the next call
+    (`kv_store`); the other path ignores it.
     """
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
@@ -36,6 +39,8 @@ class HFSampler:
         self.pad_token_id = pad_token_id
         self.stop_token_ids = torch.tensor(sorted({eos_token_id, *stop_token_ids}), dtype=torch.long)
         self.decoder = CompactDecoder(model) if decoder.supports(model) else TransformersDecoder(model)
+        self.kept = KVStore()
+        """K/V of the contexts that ended with a stop token in calls with `keep_cache` (compact decoder only)."""
 
     @classmethod
     def from_pretrained(cls, model_dir: str, device: str = "cpu", precision: str = "fp32") -> HFSampler:
@@ -49,13 +54,14 @@ class HFSampler:
         # inference mode costs a tenth less per op than no_grad; its tensors are cloned into ordinary ones
         with torch.inference_mode():
             tokens_B_T, logp_B_T = self._decode(prompt_ids, params, stop_ids)
+        self.kept.end_call()
         return self._responses(tokens_B_T.clone(), logp_B_T.clone(), stop_ids)
 
     def _decode(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
                 stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What each row drew and its log-prob, `[B, steps]` (after a row's stop token: more draws, or pad)."""
         device = self.model.device
-        ids_N_P, mask_N_P = left_pad(prompt_ids, self.pad_token_id)
+        keep = params.keep_cache and isinstance(self.decoder, CompactDecoder)
         B, T = len(prompt_ids) * params.n, params.max_new_tokens
         # a uniform number per row and position: what a row draws does not depend on the decoder's batch
         if params.seeds is None:
@@ -68,12 +74,16 @@ class HFSampler:
         logp_B_T = torch.zeros((B, T), device=device)
         rows_b = torch.arange(B, device=device)  # the rows still drawing ...
         context_b = rows_b // params.n  # ... and the decoder row that holds each one's context
-        logits_c_V = self.decoder.start(ids_N_P.to(device), mask_N_P.to(device), T)
+        prompts = [[int(i) for i in ids] for ids in prompt_ids] if keep else None
+        logits_c_V = self._start(prompt_ids, T, prompts)
+        stopped = []  # (row, step, K/V) of each decoder row whose context ended with a stop token
         V = logits_c_V.shape[-1]
         for t in range(T):
             token_b, token_logp_b = sample_next(logits_c_V[context_b].float(), params, uniform_B_T[rows_b, t])
             tokens_B_T[rows_b, t], logp_B_T[rows_b, t] = token_b, token_logp_b
             running_b = ~torch.isin(token_b, stop_ids)
+            if keep:
+                stopped += self._stopped_contexts(rows_b[~running_b], context_b[~running_b], t)
             if t == T - 1 or not bool(running_b.any()):
                 break
             rows_b, context_b, token_b = rows_b[running_b], context_b[running_b], token_b[running_b]
@@ -82,7 +92,29 @@ class HFSampler:
             next_c, context_b = torch.unique(context_b * V + token_b, return_inverse=True)
             self.decoder.keep(next_c // V)
             logits_c_V = self.decoder.step(next_c % V)
+        if stopped:  # keyed by the prompt and what the row drew before its stop token
+            generated = tokens_B_T[[row for row, _, _ in stopped]].tolist()
+            for (row, step, kv), tokens in zip(stopped, generated):
+                self.kept.store(prompts[row // params.n] + tokens[:step], *kv)
         return tokens_B_T[:, : t + 1], logp_B_T[:, : t + 1]
+
+    def _start(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
+               prompts: list[list[int]] | None) -> torch.Tensor:
+        """Prefill the prompts; given their `prompts` (keep_cache), with the kept K/V of the contexts they continue."""
+        ids_N_P, mask_N_P = (x.to(self.model.device) for x in left_pad(prompt_ids, self.pad_token_id))
+        if prompts is None:
+            return self.decoder.start(ids_N_P, mask_N_P, max_new_tokens)
+        cached_N = self.kept.take(prompts, self.model.dtype, self.model.device)
+        return self.decoder.start(ids_N_P, mask_N_P, max_new_tokens, cached_N)
+
+    def _stopped_contexts(self, rows: torch.Tensor, contexts: torch.Tensor,
+                          t: int) -> list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]]:
+        """(a row, t, the K/V of its context) for each distinct decoder row among `contexts`, those of the
+        `rows` that drew a stop token at step t."""
+        if not len(rows):
+            return []
+        first_row = dict(zip(contexts.tolist()[::-1], rows.tolist()[::-1]))  # each context's first row
+        return [(row, t, kv) for row, kv in zip(first_row.values(), self.decoder.contexts(list(first_row)))]
 
     def _responses(self, tokens_B_T: torch.Tensor, logp_B_T: torch.Tensor, stop_ids: torch.Tensor) -> Batch:
         """The Batch of what each row drew up to and including its first stop token (pad and 0 after it)."""
@@ -116,10 +148,12 @@ class HFSampler:
         for name, tensor in state.items():
             own[name].copy_(tensor)
         self.decoder.refresh()
+        self.kept.clear()  # K/V of the old weights
 
 
 class TransformersDecoder:
-    """start / step over any transformers causal LM, with its DynamicCache."""
+    """start / step over any transformers causal LM, with its DynamicCache (nothing kept across calls:
+    `keep_cache` has no effect on this path)."""
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
