@@ -338,7 +338,8 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
 def _episode_runner(cfg: Config, task, model_dir: str, tokenizer, sampler: SamplerHandle,
                     envs: EnvHandle) -> EpisodeRunner:
     """The driver of an agentic task's episodes: each turn samples with the session's settings (greedy on
-    request), stopping at EOS or the end of a tool call."""
+    request), stopping at EOS or the end of a tool call, and keeps its KV cache for the episode's next turn (HF;
+    vLLM's prefix cache does the same)."""
     parser = get_parser(task.parser)
     stops = []
     for text in parser.stop:  # a stop string the tokenizer has as one token stops the sampler there
@@ -348,7 +349,8 @@ def _episode_runner(cfg: Config, task, model_dir: str, tokenizer, sampler: Sampl
 
     def sample(contexts, seeds, max_new_tokens, greedy):
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else cfg.temperature,
-                                top_p=cfg.top_p, top_k=cfg.top_k, seeds=tuple(seeds), stop_token_ids=tuple(stops))
+                                top_p=cfg.top_p, top_k=cfg.top_k, seeds=tuple(seeds), stop_token_ids=tuple(stops),
+                                keep_cache=True)  # the next turn continues this context
         return sampler.generate_ids(contexts, params)
 
     context = task.max_context_tokens or models.prompt_room(model_dir, 0) or cfg.max_new_tokens * task.max_turns * 4
