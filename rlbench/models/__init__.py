@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from rlbench.models import tiny_arith, tiny_mix
+from rlbench.models import tiny_arith, tiny_mix, tiny_tools
 from rlbench.models.arithmetic_data import arithmetic_split
 from rlbench.models.checks import check_fits, check_tokenizer_files, check_weights, dropout_fields, prompt_room
 from rlbench.models.tiny_arith import build_tiny_model
@@ -28,7 +28,8 @@ __all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "check_fit
            "load", "load_tokenizer", "names", "quiet_transformers", "resolve"]
 
 _BUILTINS: dict[str, Callable[[int], Path]] = {tiny_arith.NAME: tiny_arith.ensure_built,
-                                                tiny_mix.NAME: tiny_mix.ensure_built}
+                                                tiny_mix.NAME: tiny_mix.ensure_built,
+                                                tiny_tools.NAME: tiny_tools.ensure_built}
 """Built-in model name -> function of the seed returning its (cached, built on demand) directory."""
 
 

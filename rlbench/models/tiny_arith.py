@@ -36,7 +36,7 @@ MAX_STEPS = 2000
 MAX_NEW_TOKENS = 8
 
 
-def tiny_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
+def tiny_config(tokenizer: PreTrainedTokenizerBase, *, max_position_embeddings: int = 64) -> Qwen2Config:
     """2 layers of width 192 (6 query heads, 2 KV heads of 32), MLP 768, tied embeddings, fp32.
 
     Few wide layers because at this size decoding speed is per-layer Python overhead.
@@ -48,7 +48,7 @@ def tiny_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
         num_hidden_layers=2,
         num_attention_heads=6,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,

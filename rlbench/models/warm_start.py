@@ -19,6 +19,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlbench.batch import left_pad
+
 
 def cache_root() -> Path:
     """`$RLBENCH_CACHE/models`, default ~/.cache/rlbench/models."""
@@ -53,24 +55,33 @@ def build_cached(final: Path, train: Callable[[], tuple[PreTrainedModel, PreTrai
 
 def text_sft_tensors(tokenizer: PreTrainedTokenizerBase,
                      rows: Sequence[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids_N_T, labels_N_T) of (prompt, answer) texts: prompt + answer + EOS, right-padded; labels
-    -100 except on answer + EOS. Right padding is harmless: pads only follow the last target (causal)."""
-    eos = tokenizer.eos_token_id
-    encoded = [(tokenizer.encode(p), tokenizer.encode(a) + [eos]) for p, a in rows]
-    T = max(len(p) + len(t) for p, t in encoded)
-    input_ids_N_T = torch.full((len(encoded), T), tokenizer.pad_token_id)
-    labels_N_T = torch.full((len(encoded), T), -100)
-    for i, (p, t) in enumerate(encoded):
-        input_ids_N_T[i, : len(p) + len(t)] = torch.tensor(p + t)
-        labels_N_T[i, len(p) : len(p) + len(t)] = torch.tensor(t)
+    """(input_ids_N_T, labels_N_T) of (prompt, answer) texts: prompt + answer + EOS, labels on answer + EOS."""
+    encoded = [(tokenizer.encode(p), tokenizer.encode(a) + [tokenizer.eos_token_id]) for p, a in rows]
+    return sft_tensors([(p + t, [False] * len(p) + [True] * len(t)) for p, t in encoded], tokenizer.pad_token_id)
+
+
+def sft_tensors(rows: Sequence[tuple[Sequence[int], Sequence[bool]]],
+                pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids_N_T, labels_N_T) of (ids, trained) rows, right-padded; labels -100 where not `trained`.
+
+    Right padding is harmless: pads only follow the last target (causal)."""
+    T = max(len(ids) for ids, _ in rows)
+    input_ids_N_T = torch.full((len(rows), T), pad_id)
+    labels_N_T = torch.full((len(rows), T), -100)
+    for i, (ids, trained) in enumerate(rows):
+        input_ids_N_T[i, : len(ids)] = torch.tensor(ids)
+        labels_N_T[i, : len(ids)] = torch.where(torch.tensor(trained, dtype=torch.bool), torch.tensor(ids), -100)
     return input_ids_N_T, labels_N_T
 
 
 def supervised_warm_start(model: PreTrainedModel, inputs_N_T: torch.Tensor, labels_N_T: torch.Tensor,
-                          evaluate: Callable[[PreTrainedModel], float], *, seed: int, lr: float, batch_size: int,
-                          eval_every: int, stop_at: float, overshoot: float, max_steps: int,
+                          evaluate: Callable[[PreTrainedModel], float | dict[str, float]], *, seed: int, lr: float,
+                          batch_size: int, eval_every: int, stop_at: float, overshoot: float, max_steps: int,
                           name: str) -> tuple[int, float]:
     """Train on random rows until `evaluate(model)` is in [stop_at, overshoot]; (steps, accuracy).
+
+    `evaluate` returns the held-out accuracy, or a dict of metrics with it as "acc" (the others are shown
+    in the progress bar).
 
     A check above `overshoot` rolls the model and optimizer back to the previous check, and training
     goes on from there with a check after every step. RuntimeError if it never lands in the band.
@@ -89,8 +100,11 @@ def supervised_warm_start(model: PreTrainedModel, inputs_N_T: torch.Tensor, labe
             bar.update()
             if step % eval_every:
                 continue
-            accuracy = evaluate(model)
-            bar.set_postfix(loss=f"{loss.item():.3f}", heldout_acc=accuracy)
+            metrics = evaluate(model)
+            metrics = metrics if isinstance(metrics, dict) else {"acc": metrics}
+            accuracy = metrics["acc"]
+            bar.set_postfix(loss=f"{loss.item():.3f}", heldout_acc=accuracy,
+                            **{k: v for k, v in metrics.items() if k != "acc"})
             if accuracy < stop_at:
                 last_check = _snapshot(model, optimizer)
             elif accuracy <= overshoot:
@@ -102,6 +116,20 @@ def supervised_warm_start(model: PreTrainedModel, inputs_N_T: torch.Tensor, labe
                 break
     raise RuntimeError(
         f"{name} warm start (seed {seed}) did not stop with held-out accuracy in [{stop_at}, {overshoot}]")
+
+
+@torch.no_grad()
+def greedy_continuations(model: PreTrainedModel, rows: Sequence[Sequence[int]], *, max_new_tokens: int,
+                         stop_ids: Sequence[int], pad_id: int) -> list[list[int]]:
+    """Greedy continuation ids of each row of token ids (a left-padded batch), each cut after its first
+    stop id, up to `max_new_tokens` each."""
+    model.eval()
+    input_ids_N_L, attention_mask_N_L = left_pad(rows, pad_id)
+    out_N_L = model.generate(input_ids=input_ids_N_L, attention_mask=attention_mask_N_L, do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids), pad_token_id=pad_id)
+    continuations = out_N_L[:, input_ids_N_L.shape[1] :].tolist()
+    stops = set(stop_ids)
+    return [c[: next((i + 1 for i, t in enumerate(c) if t in stops), len(c))] for c in continuations]
 
 
 @torch.no_grad()
