@@ -22,7 +22,7 @@ from typing import Any
 @dataclass
 class Config:
     model: str = "tiny-arith"
-    """A built-in model name (`rl.models.names()`: tiny-arith, tiny-mix) or a local Hugging Face model directory."""
+    """A built-in model name (`rl.models.names()`: tiny-arith, tiny-mix, tiny-tools) or a local Hugging Face model directory."""
     task: Any = "arithmetic"
     """A built-in task name (`rl.tasks.names()`) or any object following the `rl.tasks.Task` protocol."""
     algorithm: Any = "grpo"

@@ -17,7 +17,7 @@ def prepare(cfg: Config, algorithm: Algorithm):
     task = tasks.get(cfg.task)
     if algorithm.needs_turns and not isinstance(task, tasks.AgentTask):
         raise ValueError(f"algorithm {algorithm.name!r} credits each turn of an episode: it needs an agentic task "
-                         f"(rl.tasks.AgentTask, e.g. task='tool_math'), not {getattr(task, 'name', task)!r}")
+                         f"(rl.tasks.AgentTask, e.g. task='calculator'), not {getattr(task, 'name', task)!r}")
     check_sampler(cfg.sampler, cfg.cluster)
     model_dir = str(models.resolve(cfg.model))
     tokenizer = models.load_tokenizer(model_dir)

@@ -438,3 +438,18 @@ def test_turn_credit_presets_train_on_episodes_with_per_turn_rewards(tiny_dir, t
 def test_turn_credit_presets_refuse_single_turn_tasks(tiny_dir):
     with pytest.raises(ValueError, match="algorithm 'gigpo' credits each turn of an episode: it needs an agentic task"):
         rl.Session(model="tiny-arith", task="arithmetic", algorithm="gigpo", cluster="inline")
+
+
+@pytest.mark.slow
+def test_grpo_teaches_tiny_tools_to_use_its_calculator():
+    """The built-in agentic task: tiny-tools calls its tool sometimes, correctly sometimes (held-out greedy accuracy
+    0.22 after its warm start); 25 GRPO steps over whole episodes raise the accuracy and the tools' success rate."""
+    s = rl.Session(model="tiny-tools", task="calculator", algorithm="grpo", cluster="inline", seed=0,
+                   prompts_per_step=8, samples_per_prompt=8, max_new_tokens=64, lr=3e-4, threads=1)
+    before = s.evaluate(max_prompts=100)["greedy_accuracy"]
+    metrics = s.run(steps=25, progress=False)
+    after = s.evaluate(max_prompts=100)["greedy_accuracy"]
+    assert after >= before + 0.15, (before, after)
+    assert metrics["tool_success_rate"][-5:].mean() > metrics["tool_success_rate"][:5].mean()
+    assert metrics["reward_mean"][-5:].mean() > metrics["reward_mean"][:5].mean() + 0.1
+    s.close()

@@ -11,7 +11,7 @@
         def reward(self, episode) -> float: ...
 
     task = rl.tasks.AgentTask(train, test, env=Calculator, max_turns=4)
-    s = rl.Session(model="/path/to/Qwen2.5-0.5B-Instruct", task=task)   # or task="tool_math"
+    s = rl.Session(model="tiny-tools", task=task)          # or task="calculator"
     ep = s.episode(task.test[0]); ep.step(); ep.pending_tool_calls; ep.step(); ep.show(); ep.to_pandas()
     batch = s.rollout()                                     # every episode of the step, turn by turn, batched
     rl.agents.check_template(tokenizer, messages)          # is the chat template append-only?

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from rlbench.models.chat import encode_prompt, render_prompt
 from rlbench.tasks.agent import AgentTask
+from rlbench.tasks.calculator import Calculator, calculator_split
 from rlbench.tasks.arithmetic import Arithmetic
 from rlbench.tasks.base import Task
 from rlbench.tasks.data import (DataTask, check_row, convert_files, from_jsonl, from_parquet, read_records,
@@ -30,6 +31,14 @@ __all__ = [
     "prompt_tokens", "read_records", "read_rows", "render_prompt", "shuffled", "split", "write_rows",
 ]
 
+def calculator(max_turns: int = 3, tool_timeout_s: float = 5.0) -> AgentTask:
+    """Two-digit multiplication with a `calc` tool (`rl.tasks.calculator.Calculator`): the built-in agentic task,
+    made for the `tiny-tools` model (200 held-out problems)."""
+    train, test = calculator_split()
+    return AgentTask(train, test, env=Calculator, max_turns=max_turns, tool_timeout_s=tool_timeout_s,
+                     name="calculator")
+
+
 _BUILTINS: dict[str, Callable[..., Task]] = {
     "arithmetic": Arithmetic,
     "multiplication": Multiplication,
@@ -37,6 +46,7 @@ _BUILTINS: dict[str, Callable[..., Task]] = {
     "reverse": Reverse,
     "countdown": Countdown,
     "tool_math": tool_math.tool_math,
+    "calculator": calculator,
 }
 """Built-in task name -> factory; `get(name, **kwargs)` calls it with the kwargs."""
 
