@@ -57,9 +57,11 @@ def tiny_config(tokenizer: PreTrainedTokenizerBase, *, max_position_embeddings: 
     )
 
 
-def build_tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
-    """The untrained tiny-arith model; its initialisation depends only on `seed` (global RNG untouched)."""
-    config = tiny_config(build_tokenizer())
+def build_tiny_model(seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None, *,
+                     max_position_embeddings: int = 64) -> Qwen2ForCausalLM:
+    """The untrained tiny model (for `tokenizer`'s vocabulary, default the byte tokenizer); its initialisation
+    depends only on `seed` (global RNG untouched)."""
+    config = tiny_config(tokenizer or build_tokenizer(), max_position_embeddings=max_position_embeddings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config)

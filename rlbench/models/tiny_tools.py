@@ -25,7 +25,7 @@ from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
 
 from rlbench.models import calculator_data as data
-from rlbench.models.tiny_arith import tiny_config
+from rlbench.models.tiny_arith import build_tiny_model
 from rlbench.models.tokenizer import build_tokenizer
 from rlbench.models.warm_start import (build_cached, cache_root, greedy_continuations, sft_tensors,
                                        supervised_warm_start, torch_threads)
@@ -79,10 +79,7 @@ def build_tools_tokenizer() -> PreTrainedTokenizerBase:
 
 def build_model(seed: int = 0) -> Qwen2ForCausalLM:
     """The untrained model (tiny-arith's shape, MAX_POSITIONS, the larger vocabulary); depends only on `seed`."""
-    config = tiny_config(build_tools_tokenizer(), max_position_embeddings=MAX_POSITIONS)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Qwen2ForCausalLM(config)
+    return build_tiny_model(seed, build_tools_tokenizer(), max_position_embeddings=MAX_POSITIONS)
 
 
 def cache_dir(seed: int = 0) -> Path:
