@@ -56,3 +56,15 @@ def _one_thread():
 def _run_in_tmp(tmp_path, monkeypatch):
     """Sessions write runs/<name>/metrics.jsonl under the working directory: keep it out of the checkout."""
     monkeypatch.chdir(tmp_path)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which code-sandbox modes this machine has, when the run used the sandbox (tests/test_sandbox.py runs
+    its attacks against every kernel mode available)."""
+    from rlbench.rewards import sandbox
+
+    if sandbox.sandbox_info.cache_info().currsize:
+        info = sandbox.sandbox_info()
+        missing = f"; missing: {'; '.join(info['missing'])}" if info["missing"] else ""
+        terminalreporter.write_line(f"code sandbox: {info['mode']} mode (available: {', '.join(info['available'])}; "
+                                    f"cgroup: {info['cgroup']}){missing}")

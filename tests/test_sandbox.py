@@ -1,18 +1,44 @@
-"""The code sandbox: hostile programs end in a recorded failure within their limits; the machine is unharmed."""
+"""The code sandbox: hostile programs end in a recorded failure within their limits; nothing outside their run
+changes and nothing of them is left running.
+
+The attacks of the sandbox issue (#22) run in the strongest mode this machine allows (`sandbox_info()`, printed in
+pytest's header): as root, "namespaces". Most run with `tripwire=False`, i.e. as a program that already got
+around the audit hook would: what stops them there is the kernel.
+"""
 
 import os
 import socket
 import subprocess
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 import rlbench
-from rlbench.rewards import Limits, code_reward, extract_code, run_python, score_all
+from rlbench.rewards import Limits, SandboxError, code_reward, extract_code, run_python, sandbox_info, score_all
+from rlbench.rewards import sandbox
 
 PROJECT_FILE = Path(rlbench.__file__).resolve().parents[1] / "pyproject.toml"
 FAST = Limits(cpu_s=2, wall_s=4.0, memory_mb=256, output_bytes=1 << 20)
+MODE = sandbox_info()["mode"]
+KERNEL_MODES = [m for m in ("namespaces", "bwrap") if m in sandbox_info()["available"]]
+each_kernel_mode = pytest.mark.parametrize("mode", KERNEL_MODES or [pytest.param(None, marks=pytest.mark.skip(
+    reason=f"no kernel isolation here, missing: {'; '.join(sandbox_info()['missing'])}"))])
+
+
+def jail_processes() -> list[int]:
+    """Pids of the live processes of any sandbox run (their command line names the jail), from /proc."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue  # it ended while we looked
+        if os.fsencode(sandbox.JAIL) in args or sandbox.BWRAP_JAIL.encode() in args:
+            pids.append(int(cmdline.parent.name))
+    return pids
 
 
 def test_a_normal_program_runs_with_stdin_and_its_own_files():
@@ -30,15 +56,60 @@ def test_a_program_may_write_and_read_in_its_directory_and_threads_work():
 def test_a_crash_is_an_error_with_the_traceback():
     run = run_python("1 / 0", limits=FAST)
     assert run.status == "error" and run.returncode == 1 and "ZeroDivisionError" in run.reason
+    assert 'File "main.py", line 1' in run.stderr
 
 
-def test_isolation_in_force_is_reported():
-    isolation = run_python("pass", limits=FAST).isolation
-    assert isolation["audit_hook"] is True and "network_namespace" in isolation and "user" in isolation
-    if os.geteuid() == 0:  # the project's machines: root, so the program runs as nobody in its own netns
-        assert isolation["user"] == "nobody" and isolation["network_namespace"] is True
+def test_file_names_must_be_plain():
+    for name in ("../x", "a/b", "main.py", ""):
+        with pytest.raises(ValueError, match="plain name"):
+            run_python("pass", files={name: "x"}, limits=FAST)
 
 
+def test_the_mode_and_its_guarantees_are_reported():
+    info, run = sandbox_info(), run_python("pass", limits=FAST)
+    assert info["mode"] in ("namespaces", "rlimits") and info["guarantees"]
+    assert run.isolation["mode"] == info["mode"] and run.isolation["audit_hook"] is True
+    if os.geteuid() == 0:  # the project's machines and CI: root, so the kernel's isolation
+        assert info["mode"] == "namespaces" and info["seccomp"] and run.isolation["network_namespace"]
+        assert run.isolation["uid"] >= sandbox.UID_BASE
+
+
+def test_the_weaker_mode_warns_once_naming_what_is_missing(monkeypatch):
+    weak = {"mode": "rlimits", "available": ["rlimits"], "missing": ["root (for the test)"], "guarantees": []}
+    monkeypatch.setattr(sandbox, "sandbox_info", lambda: weak)
+    sandbox._warn_weak.cache_clear()
+    with pytest.warns(UserWarning, match=r"weaker 'rlimits' mode.*root \(for the test\)"):
+        assert run_python("print(1)", limits=FAST).stdout == "1\n"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run_python("print(2)", limits=FAST)
+    assert seen == []  # once
+    with pytest.raises(SandboxError, match=r"tripwire=False needs the kernel's isolation.*lacks: root"):
+        run_python("pass", tripwire=False, limits=FAST)
+    sandbox._warn_weak.cache_clear()
+
+
+def test_the_weaker_mode_still_applies_its_limits():
+    """The "rlimits" path (what a non-root user gets) on this machine: limits, tripwire, early exits."""
+    run = sandbox._run("rlimits", "import os\nprint(os.getcwd())", "", {}, FAST, None)
+    assert run.ok and run.isolation == {"mode": "rlimits", "audit_hook": True, "cgroup": False, "uid": os.geteuid(),
+                                        "network_namespace": run.isolation["network_namespace"]}
+    assert "rlbench-sandbox-" in run.stdout and not Path(run.stdout.strip()).exists()  # removed afterwards
+    assert sandbox._run("rlimits", "import os; os.system('ls')", "", {}, FAST, None).status == "blocked"
+    assert sandbox._run("rlimits", "import time; time.sleep(60)", "", {}, Limits(wall_s=1.0), None).status == "timeout"
+    assert sandbox._run("rlimits", "import os; os._exit(0)", "", {}, FAST, "assert False").status == "early_exit"
+
+
+def test_the_weaker_mode_removes_1100_nested_directories():
+    """shutil.rmtree recurses per level and raises RecursionError past ~1000: cleanup neither raises nor leaves
+    the directory behind."""
+    code = "import os\nprint(os.getcwd())\nfor i in range(1100):\n    os.mkdir('d')\n    os.chdir('d')"
+    run = sandbox._run("rlimits", code, "", {}, Limits(cpu_s=20, wall_s=30), None)
+    assert run.ok, run.reason
+    assert not Path(run.stdout.strip()).exists()
+
+
+# --- the tripwire: what a model reads when it reaches for a process, a socket or a file outside -----------
 @pytest.fixture
 def listener():
     """A TCP server on 127.0.0.1 that records whether anybody connected."""
@@ -48,31 +119,295 @@ def listener():
     server.close()
 
 
-HOSTILE = {
+TRIPPED = {
     "socket": "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hi')",
     "write outside": "open('/tmp/rlbench-sandbox-escape-{tag}.txt', 'w').write('x')",
-    "read ~/.ssh": "print(open({ssh!r}).read())",
-    "read the project": "print(open({project!r}).read())",
-    "list the project": "import os\nprint(os.listdir({project_dir!r}))",
     "fork bomb": "import os\nwhile True:\n    os.fork()",
     "subprocess": "import subprocess\nsubprocess.run(['cat', {project!r}])",
     "ctypes": "import ctypes\nctypes.CDLL(None).fork()",
+    "find the hook through gc": "import gc\nprint([o for o in gc.get_objects() if callable(o)][:3])",
 }
 
 
-@pytest.mark.parametrize("name", HOSTILE)
-def test_hostile_programs_are_blocked(name, listener):
+@pytest.mark.parametrize("name", TRIPPED)
+def test_the_tripwire_stops_the_obvious_attempts(name, listener):
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
-    code = HOSTILE[name].format(port=listener.getsockname()[1], tag=tag, ssh=str(Path.home() / ".ssh" / "id_rsa"),
-                                project=str(PROJECT_FILE), project_dir=str(PROJECT_FILE.parent))
+    code = TRIPPED[name].format(port=listener.getsockname()[1], tag=tag, project=str(PROJECT_FILE))
     run = run_python(code, limits=FAST)
     assert run.status == "blocked" and run.returncode == 125 and "sandbox: blocked" in run.reason
-    assert run.stdout == ""
-    assert not Path(f"/tmp/rlbench-sandbox-escape-{tag}.txt").exists()
+    assert run.stdout == "" and not Path(f"/tmp/rlbench-sandbox-escape-{tag}.txt").exists()
     with pytest.raises(socket.timeout):
         listener.accept()  # nobody connected
 
 
+# --- the kernel's boundary: the attacks of issue #22, past the tripwire ------------------------------------
+@each_kernel_mode
+def test_the_hooks_known_bypasses_reach_nothing(mode):
+    """The tripwire bypasses that escaped the old sandbox: shadowed builtins, a patched os.fspath /
+    posixpath.abspath, dir_fd and O_PATH walks. Past the hook there is nothing to read or write."""
+    code = f"""
+import builtins, os, posixpath
+builtins.any = lambda *a: True
+os.fspath = posixpath.abspath = lambda p: '/work/ok'
+found = []
+for path in [{str(PROJECT_FILE)!r}, '/etc/passwd', '/root/.ssh/id_rsa', '/proc/1/environ']:
+    try:
+        found.append(open(path).read()[:20])
+    except OSError as e:
+        found.append(type(e).__name__)
+root = os.open('/', os.O_PATH)
+for name in ['etc/passwd', 'tmp', 'dev/shm', 'work/main.py']:
+    try:
+        found.append(str(os.stat(name, dir_fd=root).st_mode))
+    except OSError as e:
+        found.append(type(e).__name__)
+try:
+    os.open('usr/escape', os.O_WRONLY | os.O_CREAT, dir_fd=root)
+except OSError as e:
+    found.append(type(e).__name__)
+print((sorted(os.listdir('/')), found))
+"""
+    run = run_python(code, mode=mode, limits=FAST)
+    assert run.ok, run.reason
+    listing, found = eval(run.stdout)  # noqa: S307 - our own test program's repr
+    assert set(listing) <= {"usr", "bin", "lib", "lib32", "lib64", "libx32", "etc", "dev", "work", "root", "rlbench"}
+    assert found[:4] == ["FileNotFoundError"] * 4  # not in this world
+    assert found[4:7] == ["FileNotFoundError"] * 3 and found[7].isdigit()  # only its own main.py
+    assert found[8] in ("PermissionError", "OSError")  # EROFS or EACCES
+    assert not Path("/usr/escape").exists()
+
+
+@each_kernel_mode
+def test_no_host_file_can_be_read_written_or_listed_even_with_processes_and_ctypes(mode):
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    code = f"""
+import ctypes, os, subprocess
+out = []
+libc = ctypes.CDLL(None, use_errno=True)
+out.append(subprocess.run(['cat', {str(PROJECT_FILE)!r}], capture_output=True, text=True).stdout)
+for path in ['/tmp/rlbench-escape-{tag}', '/dev/shm/rlbench-escape-{tag}', '/usr/rlbench-escape-{tag}',
+             {str(PROJECT_FILE.parent / ("escape-" + tag))!r}]:
+    try:
+        open(path, 'w').write('x')
+        out.append('wrote ' + path)
+    except OSError as e:
+        out.append(type(e).__name__)
+print(out)
+"""
+    run = run_python(code, mode=mode, limits=FAST, tripwire=False)
+    assert run.ok, run.reason
+    out = eval(run.stdout)  # noqa: S307
+    assert out[0] == "" and not any(o.startswith("wrote") for o in out[1:])
+    assert "[project]" not in run.stdout and "[project]" not in run.stderr
+    for path in (f"/tmp/rlbench-escape-{tag}", f"/dev/shm/rlbench-escape-{tag}", f"/usr/rlbench-escape-{tag}",
+                 PROJECT_FILE.parent / f"escape-{tag}"):
+        assert not Path(path).exists()
+
+
+@each_kernel_mode
+def test_no_socket_of_any_family_reaches_a_listener_outside(mode, listener, tmp_path):
+    """TCP on 127.0.0.1, a filesystem Unix socket, an abstract Unix socket: all started by the test, outside."""
+    unix_path = tmp_path / "listener.sock"
+    unix, abstract = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    unix.bind(str(unix_path))
+    abstract.bind(f"\0rlbench-test-{os.getpid()}")
+    for s in (unix, abstract):
+        s.listen()
+        s.settimeout(0.2)
+    code = f"""
+import socket
+out = []
+for family, address in [(socket.AF_INET, ('127.0.0.1', {listener.getsockname()[1]})),
+                        (socket.AF_UNIX, {str(unix_path)!r}), (socket.AF_UNIX, '\\0rlbench-test-{os.getpid()}')]:
+    s = socket.socket(family)
+    s.settimeout(1)
+    try:
+        s.connect(address)
+        s.sendall(b'escaped')
+        out.append('connected')
+    except OSError as e:
+        out.append(type(e).__name__)
+print(out)
+"""
+    try:
+        run = run_python(code, mode=mode, limits=FAST, tripwire=False)
+        assert run.ok, run.reason
+        assert "connected" not in run.stdout and len(eval(run.stdout)) == 3  # noqa: S307
+        for server in (listener, unix, abstract):
+            with pytest.raises(socket.timeout):
+                server.accept()
+    finally:
+        unix.close()
+        abstract.close()
+
+
+@each_kernel_mode
+def test_a_run_that_tries_to_outlive_its_wall_clock_leaves_no_process_behind(mode):
+    """A double fork + setsid, an orphan sleeping forever, a busy child: after the run, no process of its uid."""
+    code = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(3600)
+    os._exit(0)
+if os.fork() == 0:
+    while True:
+        pass
+print(os.getpid(), flush=True)
+time.sleep(3600)
+"""
+    start = time.monotonic()
+    run = run_python(code, mode=mode, limits=Limits(wall_s=1.5, cpu_s=10), tripwire=False)
+    assert run.status == "timeout" and run.returncode == -9 and int(run.stdout) <= 3  # a low pid of its own ns
+    assert time.monotonic() - start < 1.5 + 2.0
+    assert jail_processes() == []
+    assert run_python("print('next')", mode=mode, limits=FAST).stdout == "next\n"
+
+
+@each_kernel_mode
+def test_a_fork_bomb_meets_the_runs_own_process_limit_and_leaves_nothing(mode):
+    run = run_python("import os\nwhile True:\n    os.fork()", mode=mode, limits=FAST, tripwire=False)
+    assert not run.ok and jail_processes() == []
+    assert subprocess.run(["true"]).returncode == 0
+
+
+@each_kernel_mode
+def test_concurrent_runs_cannot_see_or_signal_each_other(mode):
+    """Run A sleeps; run B, at the same time, kills every pid it can name (kill and pidfd_send_signal) and
+    looks for A's files: A finishes untouched, and the test process too."""
+    a_code = "import time\nopen('secret', 'w').write('a')\ntime.sleep(2)\nprint('a done')"
+    b_code = f"""
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+hits = []
+for pid in list(range(1, 4096)) + [{os.getpid()}]:
+    if pid in (os.getpid(), os.getppid()):  # itself, and its init ("namespaces") or supervisor ("bwrap")
+        continue
+    try:
+        os.kill(pid, signal.SIGKILL)
+        hits.append(pid)
+    except (ProcessLookupError, PermissionError):
+        pass
+    fd = libc.syscall(434, pid, 0)  # pidfd_open
+    if fd >= 0 and libc.syscall(424, fd, signal.SIGKILL, None, 0) == 0:  # pidfd_send_signal
+        hits.append(pid)
+print((os.getuid(), sorted(set(hits)), os.listdir('.')))
+"""
+    runs = {}
+    a = threading.Thread(target=lambda: runs.update(a=run_python(a_code, mode=mode, limits=FAST)))
+    a.start()
+    time.sleep(0.5)
+    runs["b"] = run_python(b_code, mode=mode, limits=FAST, tripwire=False)
+    a.join()
+    assert runs["a"].ok and runs["a"].stdout == "a done\n"
+    uid, hits, listing = eval(runs["b"].stdout)  # noqa: S307
+    assert set(hits) <= {1}  # nothing else exists in its namespace; its init ignores signals sent from inside
+    assert listing == ["main.py"] and (mode == "bwrap" or uid != runs["a"].isolation["uid"])
+
+
+@each_kernel_mode
+def test_one_runs_threads_do_not_starve_another_run(mode):
+    """Processes are limited per run (its own uid and cgroup), not shared: a run at its limit and a
+    concurrent run that starts threads both behave."""
+    hog = "import threading, time\nts = []\nwhile True:\n    t = threading.Thread(target=time.sleep, args=(3,))\n" \
+          "    try:\n        t.start()\n    except RuntimeError:\n        break\n    ts.append(t)\nprint(len(ts))\n"
+    other = "import threading\nts = [threading.Thread(target=print, args=(i,)) for i in range(4)]\n" \
+            "[t.start() for t in ts]; [t.join() for t in ts]"
+    result = {}
+    hog_thread = threading.Thread(target=lambda: result.update(hog=run_python(hog, mode=mode, limits=Limits(wall_s=8))))
+    hog_thread.start()
+    time.sleep(1.0)
+    result["other"] = run_python(other, mode=mode, limits=FAST)
+    hog_thread.join()
+    assert result["other"].ok and sorted(result["other"].stdout.split()) == ["0", "1", "2", "3"]
+    assert 0 < int(result["hog"].stdout) < Limits().processes
+
+
+def test_memory_is_limited_for_the_run_as_a_whole():
+    """Six processes each touching 100 MB: with a cgroup the run holds at most memory_mb + disk_mb."""
+    if not sandbox_info()["cgroup"]:
+        pytest.skip(f"no cgroup here ({MODE!r} mode): memory is limited per process only")
+    code = """
+import os
+children = []
+for _ in range(6):
+    pid = os.fork()
+    if pid == 0:
+        block = b'x' * (100 << 20)
+        print('held', flush=True)
+        import time; time.sleep(3)
+        os._exit(0)
+    children.append(pid)
+for pid in children:
+    os.waitpid(pid, 0)
+"""
+    run = run_python(code, limits=Limits(memory_mb=128, disk_mb=64, wall_s=10, cpu_s=5), tripwire=False)
+    assert run.stdout.count("held") <= 1 and run.isolation["oom_kills"] >= 1
+
+
+@each_kernel_mode
+def test_3000_nested_directories_and_a_full_disk_are_the_programs_problem(mode):
+    code = "import os\nfor i in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('deep')\n" \
+           "open('/work/big', 'wb').write(b'x' * (200 << 20))"
+    before = set(Path("/tmp").glob("rlbench-sandbox-*"))
+    run = run_python(code, mode=mode, limits=Limits(disk_mb=16, output_bytes=1 << 30, memory_mb=512, wall_s=10),
+                     tripwire=False)
+    assert run.stdout == "deep\n" and run.status == "error" and "No space left" in run.stderr
+    assert set(Path("/tmp").glob("rlbench-sandbox-*")) == before  # nothing of the run on the host
+
+
+@each_kernel_mode
+def test_a_symlink_planted_in_the_work_directory_redirects_nothing(mode, tmp_path):
+    """The old parent chowned the work directory after the program could write it; now it never touches it."""
+    victim = tmp_path / "root-owned"
+    victim.write_text("root's")
+    victim.chmod(0o600)
+    code = f"""
+import os
+for name in ['main.py', 'data.json', 'x']:
+    try:
+        os.remove(name)
+    except OSError:
+        pass
+    os.symlink({str(victim)!r}, name)
+os.symlink('/', 'root')
+print(sorted(os.listdir('.')))
+"""
+    run = run_python(code, files={"data.json": "[]"}, mode=mode, limits=FAST, tripwire=False)
+    assert run.ok and eval(run.stdout) == ["data.json", "main.py", "root", "x"]  # noqa: S307
+    stat = victim.stat()
+    assert (stat.st_uid, stat.st_mode & 0o777, victim.read_text()) == (0 if os.geteuid() == 0 else os.geteuid(),
+                                                                        0o600, "root's")
+
+
+@each_kernel_mode
+def test_the_seccomp_filter_denies_what_a_program_never_needs(mode):
+    code = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+for name, number, args in [('ptrace', 101, (0, 0, 0, 0)), ('unshare', 272, (0x10000000,)), ('mount', 165,
+                           (b'none', b'/work', b'tmpfs', 0, None)), ('keyctl', 250, (0, 0)), ('bpf', 321, (0, 0, 0)),
+                           ('setns', 308, (0, 0)), ('io_uring_setup', 425, (1, 0))]:
+    ctypes.set_errno(0)
+    result = libc.syscall(number, *args)
+    out[name] = (result, ctypes.get_errno())
+pid = os.fork()  # clone without namespace flags: allowed
+if pid == 0:
+    os._exit(7)
+out['fork'] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(out)
+"""
+    if os.uname().machine != "x86_64":
+        pytest.skip("the test names x86_64 syscall numbers")
+    run = run_python(code, mode=mode, limits=FAST, tripwire=False)
+    out = eval(run.stdout)  # noqa: S307
+    assert out.pop("fork") == 7
+    assert out == {name: (-1, 1) for name in out}  # every one -1 with EPERM
+
+
+# --- limits -----------------------------------------------------------------------------------------------
 def test_ten_gigabytes_is_a_memory_failure():
     start = time.monotonic()
     run = run_python("x = bytearray(10 * 2**30)\nprint('allocated')", limits=FAST)
@@ -100,16 +435,9 @@ def test_printing_a_gigabyte_is_cut_at_the_output_limit():
     assert time.monotonic() - start < 10.0
 
 
-def test_the_machine_is_unharmed_afterwards(tmp_path):
-    """After the fork bomb and friends: we can still start processes, and no sandbox process is left."""
-    run_python("import os\nwhile True:\n    os.fork()", limits=FAST)
-    assert subprocess.run(["true"]).returncode == 0
-    leftovers = subprocess.run(["pgrep", "-u", "nobody", "-f", "rlbench-sandbox"], capture_output=True, text=True)
-    assert leftovers.stdout == ""
-
-
-# --- code reward ---------------------------------------------------------------------------------------------
+# --- scoring that an early exit cannot fool -----------------------------------------------------------------
 ADD_TESTS = {"inputs": ["1 2\n", "10 -3\n"], "outputs": ["3\n", "7"]}
+ADD_ASSERTS = {"reward_model": {"ground_truth": '{"assert": "assert add(2, 3) == 5"}'}}  # a JSON string, as in parquet
 
 
 def test_extract_code():
@@ -123,16 +451,35 @@ def test_code_reward_stdin_stdout_and_asserts():
     assert code_reward(good, example, limits=FAST) == {"score": 1.0, "acc": 1.0}
     half = "a, b = map(int, input().split())\nprint(a + b if a < 5 else 0)"
     assert code_reward(half, example, limits=FAST) == {"score": 0.5, "acc": 0.0}
-    asserts = {"reward_model": {"ground_truth": '{"assert": "assert add(2, 3) == 5"}'}}  # a JSON string, as in parquet
-    assert code_reward("def add(a, b):\n    return a + b", asserts, limits=FAST)["acc"] == 1.0
-    assert code_reward("def add(a, b):\n    return a - b", asserts, limits=FAST)["acc"] == 0.0
+    assert code_reward("def add(a, b):\n    return a + b", ADD_ASSERTS, limits=FAST)["acc"] == 1.0
+    assert code_reward("def add(a, b):\n    return a - b", ADD_ASSERTS, limits=FAST)["acc"] == 0.0
+
+
+@pytest.mark.parametrize("exit_call", ["import os; os._exit(0)", "import sys; sys.exit(0)", "raise SystemExit",
+                                       "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+def test_a_wrong_program_that_exits_before_the_asserts_fails(exit_call):
+    wrong = f"def add(a, b):\n    return a - b\n{exit_call}"
+    assert code_reward(wrong, ADD_ASSERTS, limits=FAST) == {"score": 0.0, "acc": 0.0}
+    run = run_python(wrong, check="assert add(2, 3) == 5", limits=FAST, tripwire=MODE == "rlimits")
+    assert not run.ok and run.status in ("early_exit", "killed", "blocked")
+    if run.status == "early_exit":
+        assert "exited before its checks finished" in run.reason
+
+
+def test_the_check_token_is_not_in_stdout_and_is_new_each_run():
+    runs = [run_python("print('out')\ndef f(): return 1", check="assert f() == 1", limits=FAST) for _ in range(2)]
+    assert [r.stdout for r in runs] == ["out\n", "out\n"] and all(r.ok for r in runs)
+    fake = run_python("print('out')", check="assert True\nimport os; os._exit(0)", limits=FAST)
+    assert fake.status == "early_exit"  # even the check's own early exit does not count
 
 
 def test_code_reward_with_hostile_programs_through_the_runner():
-    """A program's failure is a failed test (score 0), not a reward failure; the runner stays healthy."""
+    """A program's failure is a failed test (score 0), not a reward failure; the runner stays healthy, with
+    forked reward processes too."""
     programs = ["import socket; socket.socket()", "while True: pass",
-                "a, b = map(int, input().split()); print(a + b)"]
+                "a, b = map(int, input().split()); print(a + b)", "import os; os._exit(0)"]
     example = {"reward_model": {"ground_truth": ADD_TESTS}}
     reward = lambda c, e: code_reward(c, e, limits=Limits(cpu_s=1, wall_s=2.0))  # noqa: E731
-    scores = score_all(reward, programs, [example] * 3, workers=3, timeout_s=30)
-    assert scores.score == [0.0, 0.0, 1.0] and scores.error == [None] * 3
+    for processes in (False, True):
+        scores = score_all(reward, programs, [example] * 4, workers=2, timeout_s=30, processes=processes)
+        assert scores.score == [0.0, 0.0, 1.0, 0.0] and scores.error == [None] * 4

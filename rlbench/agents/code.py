@@ -5,11 +5,11 @@
     python(code="while True: pass")            # "error: timed out after 5 s (the time limit)"
     task = rl.tasks.AgentTask(train, test, tools=[python], reward=..., tool_timeout_s=None)
 
-Each call runs the code as a new program in a fresh sandboxed process (`rlbench.rewards.run_python`: rlimits,
-the `nobody` user and no network where the machine allows, an audit hook; read its docstring for what it does
-and does not stop). The tool is stateless: nothing (variables, imports, files) survives from one call to the
-next, and the tool's description tells the model so. Standard library only: the interpreter runs isolated
-(`-I -S`), without site-packages.
+Each call runs the code as a new program in a fresh sandbox (`rlbench.rewards.run_python`: as root, its own
+PID, mount, network, IPC and UTS namespaces, uid, cgroup and seccomp filter; `rl.rewards.sandbox_info()` says
+which mode this machine has and what it guarantees). The tool is stateless: nothing (variables, imports,
+files) survives from one call to the next, and the tool's description tells the model so. Standard library
+only: the interpreter runs isolated (`-I -S`), without site-packages.
 
 The code's failure is the model's to read, never an exception out of the tool: a traceback (without the
 sandbox's own frames), a time limit, a memory limit, a non-zero exit, a blocked operation, or output over the
@@ -30,7 +30,7 @@ import signal
 import threading
 
 from rlbench.agents.tools import Tool
-from rlbench.rewards.sandbox import Limits, Run, run_python
+from rlbench.rewards.sandbox import BWRAP_JAIL, JAIL, Limits, Run, run_python
 
 DESCRIPTION = ("Run a Python program and return what it prints. Each call is a fresh process: nothing is kept "
                "from earlier calls, so define every variable and import you use, and print() the results. "
@@ -101,12 +101,12 @@ def _problem(run: Run, limits: Limits) -> tuple[str, str]:
 
 
 def _traceback(stderr: str) -> str:
-    """stderr without the sandbox's bootstrap frames: a traceback starts at the program's own (main.py) frame."""
+    """stderr without the sandbox's own frames (jail.py): a traceback starts at the program's (main.py) frame."""
     lines = stderr.strip("\n").splitlines()
     out, skipping = [], False
     for line in lines:
-        if line.startswith('  File "<string>"'):
-            skipping = True  # the bootstrap's frame and its source line
+        if line.startswith((f'  File "{JAIL}"', f'  File "{BWRAP_JAIL}"')):
+            skipping = True  # the jail's frame and its source line
             continue
         if skipping and line.startswith("    "):
             continue

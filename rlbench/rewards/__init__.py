@@ -7,7 +7,7 @@ named floats, e.g. "acc"); a `batched` one takes the lists of completions and ex
     rewards.score_all(reward, completions, examples, timeout_s=5, workers=4)          # Scores, failures recorded
 
 Graders: `gsm8k_reward` (strict "####" / flexible), `math_reward` (math-verify), `dapo_math_reward`,
-`countdown_reward`, `code_reward` (sandboxed tests), `format_reward`; shaping: `weighted`,
+`countdown_reward`, `code_reward` (tests run in the sandbox: `run_python`, `sandbox_info`), `format_reward`; shaping: `weighted`,
 `with_length_penalty`, `with_overlong_penalty`; learned: `RewardModel`, `LLMJudge`.
 `by_data_source` picks the grader of a verl-format example from its "data_source", as verl does.
 """
@@ -22,16 +22,17 @@ from rlbench.rewards.countdown import check_countdown, countdown_reward
 from rlbench.rewards.judge import LLMJudge
 from rlbench.rewards.reward_model import RewardModel
 from rlbench.rewards.runner import RewardError, Scores, batched, run_each, score_all
-from rlbench.rewards.sandbox import Limits, Run, run_python
+from rlbench.rewards.sandbox import Limits, Run, SandboxError, run_python, sandbox_info
 from rlbench.rewards.scorer import TaskScorer
 from rlbench.rewards.shaping import format_reward, weighted, with_length_penalty, with_overlong_penalty
 
 __all__ = [
-    "DATA_SOURCES", "LLMJudge", "Limits", "RewardError", "RewardModel", "Run", "Scores", "TaskScorer", "batched",
+    "DATA_SOURCES", "LLMJudge", "Limits", "RewardError", "RewardModel", "Run", "SandboxError", "Scores", "TaskScorer",
+    "batched",
     "by_data_source",
     "check_countdown", "code_reward", "countdown_reward", "dapo_math_reward", "extract_code", "extract_gsm8k",
     "format_reward", "gsm8k_reward", "math_equal", "math_reward", "reward_for", "run_each", "run_python",
-    "score_all", "weighted", "with_length_penalty", "with_overlong_penalty",
+    "sandbox_info", "score_all", "weighted", "with_length_penalty", "with_overlong_penalty",
 ]
 
 DATA_SOURCES: dict[str, Callable[[str, dict], float | dict]] = {

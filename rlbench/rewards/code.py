@@ -2,7 +2,8 @@
 
 The tests (verl's `reward_model.ground_truth`, a dict or its JSON string) are stdin/stdout cases,
 `{"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}`, and/or Python assertions run after the program,
-`{"assert": "assert add(1, 2) == 3"}`.
+`{"assert": "assert add(1, 2) == 3"}` (`run_python(check=...)`: they count only if they ran to the end,
+so a program that calls `sys.exit(0)` or `os._exit(0)` before them fails).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def run_tests(program: str, tests: dict, *, limits: Limits = Limits()) -> list[t
         else:
             same = run.stdout.split() == str(expected).split()  # whitespace-insensitive, like most judges
             results.append((same, "" if same else f"wrong output {run.stdout[:100]!r}"))
-    if tests.get("assert"):
-        run = run_python(f"{program}\n\n{tests['assert']}\n", limits=limits)
+    if tests.get("assert"):  # after the program, in its namespace; a program that exits before them fails
+        run = run_python(program, check=tests["assert"], limits=limits)
         results.append((run.ok, run.reason))
     return results
 
