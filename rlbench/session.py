@@ -173,8 +173,9 @@ class Session:
                 columns |= {"correction_weights": weights_B_T, "loss_mask": loss_mask_B_T}
                 meta |= {k: float(v) for k, v in stats.items()}
             components = batch.meta.get("reward_components") or []
-            advantages_B_T, returns_B_T = algorithm.estimate(
-                rewards_B_T, mask_B_T, group_ids=batch["group_ids"], values_B_T=columns.get("values"),
+            advantages_B_T, returns_B_T = algorithm.estimate(  # rejected tokens left the mask: no advantage
+                rewards_B_T, columns.get("loss_mask", mask_B_T), group_ids=batch["group_ids"],
+                values_B_T=columns.get("values"),
                 baselines_B=batch.tensors.get("baseline_reward"), old_logp_B_T=columns.get("old_logp"),
                 reward_components_B_K=torch.stack([batch[k] for k in components], -1) if components else None,
                 turn_B_T=batch.tensors.get("turn"), turn_rewards_B_N=batch.tensors.get("turn_rewards"),

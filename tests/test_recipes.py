@@ -101,6 +101,7 @@ def test_calculator_recipe_target_is_measured_and_honest():
     ("session.algorithm=grpox", "session.algorithm.preset: 'grpox' is not one of: cispo, clip_cov, dapo"),
     ("session.algorithm.klcoef=0", "session.algorithm.klcoef: unknown key; accepted: preset, name, advantage"),
     ("session.algorithm.loss=nope", "session.algorithm: unknown loss 'nope'; valid:"),
+    ("session.algorithm.correction=mist", "session.algorithm: unknown correction 'mist'; valid: geo_reject, icepop"),
     ("session.task=addition", "session.task.name: 'addition' is not one of: arithmetic, multiplication"),
     ("session.task.count=4", "session.task.count: unknown key; accepted: name, truncated_reward"),
     ("target.metric=accuracy", "target.metric: 'accuracy' is not one of: greedy_accuracy, sampled_accuracy"),
@@ -149,6 +150,11 @@ def test_leaderboard_spec_covers_every_preset_on_two_tasks():
         recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["tasks.arithmetic.seed=3"])
     with pytest.raises(recipes.RecipeError, match="presets: 'grpox' is not one of"):
         recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ['presets=["grpox"]'])
+
+
+def test_a_named_rollout_correction_in_an_algorithm_table():
+    recipe = recipes.load(ARITHMETIC, ["session.algorithm.correction=mis"])
+    assert recipe.session_kwargs()["algorithm"].correction == rl.algorithms.get_correction("mis")
 
 
 def test_algorithm_table_without_preset_builds_a_new_algorithm():

@@ -56,6 +56,24 @@ def test_run_metrics_and_evaluate(session):
     assert all(0.0 <= v <= 1.0 for v in result.values())
 
 
+def test_rollout_correction_rejected_tokens_get_no_advantage(tiny_dir):
+    # a k1 band ρ ∈ [1/2, 2] per token; the sampler's log-prob of every even position is raised by 1 (ρ = e^-1):
+    # those tokens leave the mask before the advantages are computed, so they get none
+    correction = rl.algorithms.RolloutCorrection(mode=None, reject=rl.algorithms.Rejection("k1", "token", high=2.0))
+    with rl.Session(**SMALL | dict(algorithm=rl.algorithms.get("grpo").replace(correction=correction))) as s:
+        batch = s.score(s.rollout())
+        even_T = (torch.arange(batch["sampler_logp"].shape[1]) % 2 == 0).float()
+        reward_B = (torch.arange(len(batch)) % 2).float()  # scores 0, 1, 0, 1 in every group of 4
+        batch = s.advantage(batch.with_columns(sampler_logp=batch["sampler_logp"] + even_T, reward=reward_B))
+    kept_B_T = batch["response_mask"].float() * (1 - even_T)
+    torch.testing.assert_close(batch["loss_mask"], kept_B_T)
+    assert batch.meta["correction/rejected_frac"] > 0.3
+    assert (batch["advantages"] * (1 - kept_B_T)).abs().sum() == 0
+    # GRPO: mean 0.5, unbiased std 0.57735 -> ±0.866025 on every kept token
+    advantages = batch["advantages"][kept_B_T.bool()]
+    torch.testing.assert_close(advantages.abs(), torch.full_like(advantages, 0.866025), rtol=1e-5, atol=0)
+
+
 def test_callbacks_stop_and_jsonl_log(tiny_dir, tmp_path):
     s = rl.Session(**SMALL, log_dir=str(tmp_path / "logs"), run_name="r1")
     seen = []

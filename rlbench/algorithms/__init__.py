@@ -1,13 +1,14 @@
 """The algorithm zoo: advantage estimators, policy losses, reductions, KL, presets, as pure tensor functions.
 
     import rlbench.algorithms as A
-    A.names()                              # presets; A.names("loss"), A.names("advantage")
+    A.names()                              # presets; A.names("loss"), A.names("advantage"), A.names("correction")
     alg = A.get("dapo")                    # an Algorithm: parts + hyperparameters + what the step needs
     print(A.describe("gspo"))              # formula, paper, hyperparameters
 
     @A.register_loss("my_loss")
     def my_loss(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None, beta=0.1): ...
     mine = A.get("grpo").replace(name="mine", loss=my_loss)
+    A.get("grpo").replace(correction="mis")  # rollout correction: a name, or A.RolloutCorrection(...)
 
 This package imports only torch and the standard library.
 """
@@ -31,7 +32,7 @@ from .core import (
     masked_whiten,
     value_loss,
 )
-from .correction import RolloutCorrection, mismatch_metrics
+from .correction import Rejection, RolloutCorrection, mismatch_metrics
 from .registry import (
     ADVANTAGE_DATA,
     LOSS_DATA,
@@ -40,12 +41,14 @@ from .registry import (
     declared,
     describe,
     get,
+    get_correction,
     hyperparameters,
     loss_fn,
     loss_reduction,
     names,
     register_advantage,
     register_algorithm,
+    register_correction,
     register_loss,
 )
 from .sampling import filter_groups, overlong_penalty
@@ -57,6 +60,7 @@ __all__ = [
     "REDUCTIONS",
     "AdaptiveKL",
     "Algorithm",
+    "Rejection",
     "RolloutCorrection",
     "advantage_fn",
     "aggregate",
@@ -65,6 +69,7 @@ __all__ = [
     "entropy_from_logits",
     "filter_groups",
     "get",
+    "get_correction",
     "hyperparameters",
     "kl",
     "kl_in_reward",
@@ -80,6 +85,7 @@ __all__ = [
     "ratio",
     "register_advantage",
     "register_algorithm",
+    "register_correction",
     "register_loss",
     "token_logp",
     "value_loss",

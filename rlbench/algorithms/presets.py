@@ -1,4 +1,5 @@
-"""The named presets of ALGORITHMS.md §8: ``rlbench.algorithms.get(name)``.
+"""The named presets of ALGORITHMS.md §8: ``rlbench.algorithms.get(name)``; and the named rollout corrections
+of §6 and §9 (``Algorithm(correction="mis")``, ``names("correction")``).
 
 A preset lists only what differs from the defaults of its parts (so ``get("grpo").replace(loss=my_loss)``
 does not hand ``my_loss`` hyperparameters it never declared). Where the page says "per paper", the choice
@@ -8,7 +9,8 @@ is the paper's setting as run in verl's examples; each is stated in the descript
 from __future__ import annotations
 
 from . import advantages, losses, turns  # noqa: F401  (registers the parts named below)
-from .registry import register_algorithm
+from .correction import Rejection, RolloutCorrection
+from .registry import register_algorithm, register_correction
 
 register_algorithm(
     "grpo", advantage="grpo", loss="ppo_clip", reduction="seq-mean-token-mean", kl_coef=0.001,
@@ -106,4 +108,33 @@ register_algorithm(
     description="RLOO's leave-one-out baseline (arXiv:2402.14740) per turn, unbiased as verl RFC #7244 asks: each "
     "turn's return-to-go minus the mean over the group's other episodes that reached that turn, PPO clip, "
     "token-mean. Agentic tasks only.",
+)
+
+# rollout corrections (ALGORITHMS.md §6, §9): verl 0.9.1's presets (docs/algo/rollout_corr.md), same thresholds
+register_correction(
+    "token_tis", RolloutCorrection(level="token", mode="tis", high=2.0),
+    description="Token-level truncated IS: w_t = min(ρ_t, 2) (TIS: Yao et al. 2025, \"Your efficient RL framework "
+    "secretly brings you off-policy RL training\"; verl 0.9.1 rollout_corr preset decoupled_token_is).",
+)
+register_correction(
+    "seq_tis", RolloutCorrection(level="sequence", mode="tis", high=2.0),
+    description="Sequence-level truncated IS: w = min(Π_t ρ_t, 2) on every token of the sequence (TIS: Yao et al. "
+    "2025; verl 0.9.1 rollout_corr preset decoupled_seq_is).",
+)
+register_correction(
+    "icepop", RolloutCorrection(level="token", mode="mask", low=0.5, high=5.0),
+    description="IcePop (Ring-1T report, 2025): token weights w_t = ρ_t·1[0.5 ≤ ρ_t ≤ 5], 0 outside the band "
+    "(α = 0.5, β = 5 as in the report; in verl 0.9.1, token rollout_is with the band \"0.5_5.0\").",
+)
+register_correction(
+    "mis", RolloutCorrection(level="sequence", mode="tis", high=2.0,
+                             reject=(Rejection("k1", "seq_sum", low=0.5, high=2.0),)),
+    description="MIS (verl 0.9.1 rollout_corr preset decoupled_seq_is_rs): sequence IS w = min(Π_t ρ_t, 2), and a "
+    "sequence is dropped unless its k1 sum -Σ_t log ρ_t lies in [log 0.5, log 2] (rollout_rs seq_sum_k1 \"0.5_2.0\").",
+)
+register_correction(
+    "geo_reject", RolloutCorrection(mode=None, reject=(Rejection("k1", "seq_mean", low=0.999, high=1.001),)),
+    description="Geometric-mean rejection (verl 0.9.1 rollout_corr preset decoupled_geo_rs): no IS weights; a "
+    "sequence is dropped unless -mean_t log ρ_t lies in [log 0.999, log 1.001], i.e. its geometric-mean ratio "
+    "exp(mean_t log ρ_t) lies in [1/1.001, 1/0.999] (rollout_rs seq_mean_k1 \"0.999_1.001\").",
 )

@@ -1,10 +1,10 @@
 """Names → parts, and ``Algorithm``: the record that bundles the parts an RL step needs.
 
-Three registries: advantage estimators, policy losses, algorithms (presets). A name is taken once:
-registering it again with the same object is a no-op, with a different one a ``ValueError``. One exception
-keeps notebooks re-runnable: a function defined in ``__main__`` (a notebook cell or a script) replaces an
-earlier ``__main__`` function of the same ``__qualname__`` under the same name, and an algorithm registered
-from ``__main__`` replaces one registered from ``__main__`` under the same name.
+Four registries: advantage estimators, policy losses, algorithms (presets), rollout corrections. A name is
+taken once: registering it again with the same object is a no-op, with a different one a ``ValueError``. One
+exception keeps notebooks re-runnable: a function defined in ``__main__`` (a notebook cell or a script) replaces
+an earlier ``__main__`` function of the same ``__qualname__`` under the same name, and an algorithm or a
+correction registered from ``__main__`` replaces one registered from ``__main__`` under the same name.
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ class _Entry:
     obj: object
     origin: str  # module that defined the function, or that registered the algorithm
     reduction: str | None = None
+    description: str = ""  # a rollout correction's formula and source
 
 
-_TABLES: dict[str, dict[str, _Entry]] = {"algorithm": {}, "advantage": {}, "loss": {}}
+_TABLES: dict[str, dict[str, _Entry]] = {"algorithm": {}, "advantage": {}, "loss": {}, "correction": {}}
 
 
 def _label(obj) -> str:
@@ -73,7 +74,8 @@ def _register(kind: str, name: str, entry: _Entry) -> None:
         and old.origin == entry.origin == "__main__"
         and getattr(old.obj, "__qualname__", name) == getattr(entry.obj, "__qualname__", name)
     )
-    same = old is not None and old.obj == entry.obj and old.reduction == entry.reduction
+    same = old is not None and (old.obj, old.reduction, old.description) == (entry.obj, entry.reduction,
+                                                                          entry.description)
     if old is not None and not same and not rerun:
         raise ValueError(
             f"{kind} {name!r} is already registered ({_label(old.obj)} from {old.origin}); pick another name"
@@ -127,6 +129,26 @@ def register_algorithm(algorithm_or_name: Algorithm | str, **fields) -> Algorith
     return algorithm
 
 
+def register_correction(name: str, correction: RolloutCorrection, *, description: str = "") -> RolloutCorrection:
+    """Register a ``RolloutCorrection`` under a name, usable as ``Algorithm(correction=name)``; ``description``
+    gives its formula and source (``describe(name)`` shows it). Returns the correction."""
+    if not isinstance(correction, RolloutCorrection):
+        raise TypeError(f"register_correction takes a RolloutCorrection, got {type(correction).__name__}")
+    _register("correction", name, _Entry(correction, sys._getframe(1).f_globals.get("__name__", ""),
+                                         description=description))
+    return correction
+
+
+def get_correction(name_or_correction: str | RolloutCorrection | None) -> RolloutCorrection | None:
+    """The rollout correction registered under a name; a ``RolloutCorrection`` or None passes through."""
+    if name_or_correction is None or isinstance(name_or_correction, RolloutCorrection):
+        return name_or_correction
+    if not isinstance(name_or_correction, str):
+        raise TypeError(f"correction must be a RolloutCorrection, a registered correction name or None, got "
+                        f"{type(name_or_correction).__name__}")
+    return _lookup("correction", name_or_correction)
+
+
 def advantage_fn(name: str | Callable) -> Callable:
     """The advantage estimator registered under ``name`` (a callable passes through)."""
     return name if callable(name) else _lookup("advantage", name)
@@ -146,7 +168,7 @@ def loss_reduction(name_or_fn: str | Callable) -> str | None:
 
 
 def names(kind: str = "algorithm") -> list[str]:
-    """Sorted registered names of ``kind``: "algorithm", "advantage" or "loss"."""
+    """Sorted registered names of ``kind``: "algorithm", "advantage", "loss" or "correction"."""
     if kind not in _TABLES:
         raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(_TABLES)}")
     return sorted(_TABLES[kind])
@@ -176,19 +198,29 @@ def _describe_fn(fn: Callable, kind: str) -> str:
     return "\n".join(lines)
 
 
-def describe(name: str | Callable | Algorithm) -> str:
-    """Formula, paper and hyperparameters (with defaults) of an algorithm, advantage or loss.
+def _describe_correction(correction: RolloutCorrection) -> str:
+    name, entry = next(((n, e) for n, e in _TABLES["correction"].items() if e.obj == correction),
+                       ("unregistered", None))
+    return "\n".join([f"{name} (correction)", entry.description if entry else "(no description)", repr(correction)])
 
-    A name is looked up as an algorithm first, then as an advantage, then as a loss.
+
+def describe(name: str | Callable | Algorithm | RolloutCorrection) -> str:
+    """Formula, paper and hyperparameters (with defaults) of an algorithm, advantage, loss or rollout correction.
+
+    A name is looked up as an algorithm first, then as an advantage, a loss, a correction.
     """
     if isinstance(name, Algorithm):
         return name.describe()
+    if isinstance(name, RolloutCorrection):
+        return _describe_correction(name)
     if callable(name):
         kinds = [kind for kind in ("advantage", "loss") if any(e.obj is name for e in _TABLES[kind].values())]
         return _describe_fn(name, kinds[0] if kinds else "unregistered")
-    for kind in ("algorithm", "advantage", "loss"):
+    for kind in ("algorithm", "advantage", "loss", "correction"):
         if name in _TABLES[kind]:
             obj = _TABLES[kind][name].obj
+            if kind == "correction":
+                return _describe_correction(obj)
             return obj.describe() if kind == "algorithm" else _describe_fn(obj, kind)
     known = sorted(set().union(*_TABLES.values()))
     raise ValueError(f"unknown name {name!r}; valid: {', '.join(known)}")
@@ -258,8 +290,10 @@ class Algorithm:
     """DAPO overlong shaping buffer: tokens, or a fraction of the max response length if < 1 (0 = off)."""
     overlong_factor: float = 1.0
     """Maximum overlong penalty."""
-    correction: RolloutCorrection | None = None
-    """Rollout correction for sampler/trainer mismatch; None = off."""
+    correction: RolloutCorrection | str | None = None
+    """Rollout correction for sampler/trainer mismatch: a ``RolloutCorrection``, or a registered name
+    (``names("correction")``: "token_tis", "seq_tis", "icepop", "mis", "geo_reject") resolved at
+    construction; None = off."""
     description: str = ""
     """One line for humans."""
 
@@ -268,6 +302,7 @@ class Algorithm:
         set_field("advantage", advantage_fn(self.advantage))
         set_field("loss", loss_fn(self.loss))
         set_field("reduction", loss_reduction(self.loss) or self.reduction)
+        set_field("correction", get_correction(self.correction))
         set_field("advantage_kwargs", dict(self.advantage_kwargs))
         set_field("loss_kwargs", dict(self.loss_kwargs))
         _check_choice("reduction mode", self.reduction, REDUCTIONS)
@@ -275,8 +310,6 @@ class Algorithm:
         _check_choice("KL estimator", self.reward_kl_estimator, KL_KINDS)
         _check_kwargs(self.advantage, self.advantage_kwargs, "advantage")
         _check_kwargs(self.loss, self.loss_kwargs, "loss")
-        if self.correction is not None and not isinstance(self.correction, RolloutCorrection):
-            raise TypeError(f"correction must be a RolloutCorrection or None, got {type(self.correction).__name__}")
         if self.correction is not None and not declared(self.loss, {"weights_B_T": None}):
             raise ValueError(f"loss {_label(self.loss)!r} takes no weights_B_T, so it cannot apply rollout "
                              f"correction: add a weights_B_T=None keyword (multiply the per-token loss by it)")
@@ -350,7 +383,8 @@ class Algorithm:
 
     def describe(self) -> str:
         """This algorithm's settings, then the formulas, papers and hyperparameters of its parts."""
-        return "\n\n".join([repr(self), _describe_fn(self.advantage, "advantage"), _describe_fn(self.loss, "loss")])
+        parts = [repr(self), _describe_fn(self.advantage, "advantage"), _describe_fn(self.loss, "loss")]
+        return "\n\n".join(parts + ([] if self.correction is None else [_describe_correction(self.correction)]))
 
     def __repr__(self) -> str:
         changed = []

@@ -12,17 +12,19 @@ from test_turns import episodes
 
 from rlbench.algorithms import (
     REDUCTIONS,
+    Rejection,
     RolloutCorrection,
     advantage_fn,
     aggregate,
     declared,
+    get_correction,
     kl_in_reward,
     loss_fn,
     names,
     outcome_rewards,
     value_loss,
 )
-from rlbench.algorithms.correction import LEVELS, MODES
+from rlbench.algorithms.correction import LEVELS, MODES, REJECTION_LEVELS, STATS
 
 # two prompt groups: episodes 0-2 and 3-4; tool output ('o') and padding ('.') are holes of the loss mask
 LAYOUTS = ["00oo111o2.", "0o11......", "000ooo1111", "0oo1oo2oo.", "00000....."]
@@ -137,11 +139,9 @@ def test_value_loss_on_a_holed_batch_is_the_compact_one():
     torch.testing.assert_close(metrics["vf_clip_frac"], compact_metrics["vf_clip_frac"])
 
 
-@pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("mode", MODES)
-def test_rollout_correction_on_a_holed_batch_is_the_compact_one(level, mode):
+def assert_correction_on_a_holed_batch_is_the_compact_one(correction):
+    """Returns the metrics of the holed batch."""
     b = batch(seed=3)
-    correction = RolloutCorrection(level=level, mode=mode, high=1.5)
     weights_B_T, mask_B_T, metrics = correction(b["old_logp_B_T"], b["sampler_logp_B_T"], MASK_B_T)
     compact_weights_B_T, compact_mask_B_T, compact_metrics = correction(
         compact(b["old_logp_B_T"]), compact(b["sampler_logp_B_T"]), COMPACT_MASK_B_T)
@@ -149,6 +149,32 @@ def test_rollout_correction_on_a_holed_batch_is_the_compact_one(level, mode):
     torch.testing.assert_close(mask_B_T, scatter(compact_mask_B_T))
     for key, value in metrics.items():
         torch.testing.assert_close(value, compact_metrics[key], msg=key)
+    return metrics
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("mode", MODES)
+def test_rollout_correction_on_a_holed_batch_is_the_compact_one(level, mode):
+    assert_correction_on_a_holed_batch_is_the_compact_one(RolloutCorrection(level=level, mode=mode, high=1.5))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_normalized_weights_on_a_holed_batch_are_the_compact_ones(level):
+    assert_correction_on_a_holed_batch_is_the_compact_one(RolloutCorrection(level=level, high=1.5, normalize=True))
+
+
+@pytest.mark.parametrize("stat, level", [(s, lv) for s in STATS for lv in REJECTION_LEVELS if (s, lv) != ("k1", "seq_max")])
+def test_rejection_rules_on_a_holed_batch_are_the_compact_ones(stat, level):
+    # bounds that drop some tokens or sequences of this batch and keep others
+    high = {"seq_sum": 4.0}.get(level, 1.5) if stat == "k1" else {"seq_sum": 1.0, "seq_max": 0.5}.get(level, 0.3)
+    correction = RolloutCorrection(mode=None, reject=Rejection(stat, level, high=high))
+    metrics = assert_correction_on_a_holed_batch_is_the_compact_one(correction)
+    assert 0 < metrics["correction/rejected_frac"] < 1
+
+
+@pytest.mark.parametrize("name", names("correction"))
+def test_named_corrections_on_a_holed_batch_are_the_compact_ones(name):
+    assert_correction_on_a_holed_batch_is_the_compact_one(get_correction(name))
 
 
 def test_gae_skips_holes_hand_worked():
