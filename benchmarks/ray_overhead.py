@@ -2,6 +2,10 @@
 
 Prints one JSON line per setting (median over steps after warm-up) and a summary with Ray's overhead as
 a fraction of the inline step time. Run: .venv/bin/python benchmarks/ray_overhead.py [--steps 10]
+Measured (2-core shared CPU, --steps 10): a 1-rank Ray step 0.290 s against 0.177 s inline (+63%) before Batches
+were pickled as numpy buffers and the ranks sent only tensor columns; after, 0.240 s against 0.202 s (+19%) and
+0.270 s against 0.218 s (+24%, --steps 20). What remains is mostly per-call latency (~2-3 ms for each of the
+~9 actor calls of a step), the reward actor's round trip, and the weight transfer (sync 11-13 ms against 2 ms).
 """
 
 import argparse

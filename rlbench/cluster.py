@@ -4,8 +4,8 @@ A `WorkerGroup` is `size` hosts (one per rank). A host is a process that holds n
 policy rank, a reference rank, a critic rank, a sampler): objects built on the same host are
 colocated. The driver calls a method of one object on every rank, naming the method by the function
 itself (`group.call("policy", Policy.log_probs, batch)`, never by a string), so a reader and a tool can
-follow the call to the code that runs; `map_rows` / `map_shards` split a Batch across ranks (balanced by
-token count) and put the results back in row order. Nothing is hidden behind decorators: every split and
+follow the call to the code that runs; `map_rows` / `map_shards` split a Batch's tensor columns across ranks
+(balanced by token count) and put the results back in row order. Nothing is hidden behind decorators: every split and
 merge is in this file. The typed handles the session hands out (`rlbench.workers`) are built on these calls.
 
 Ray: with no address the session starts a private local instance (never attaching to another cluster
@@ -123,7 +123,7 @@ class WorkerGroup:
         """Split rows across ranks (balanced by tokens), call, and put the `[rows, T]` results back in the
         batch's row order (zero-padded to the widest)."""
         index = balance(batch, self.size)
-        parts = self.call_each(name, method, [(batch[rows],) for rows in index], **kwargs)
+        parts = self.call_each(name, method, [(_shard(batch, rows),) for rows in index], **kwargs)
         out = parts[0].new_zeros((len(batch), max(p.shape[1] for p in parts)))
         for rows, part in zip(index, parts):
             out[torch.tensor(rows, dtype=torch.long), : part.shape[1]] = part
@@ -131,7 +131,7 @@ class WorkerGroup:
 
     def map_shards(self, name: str, method: Callable, batch: Batch, **kwargs) -> list:
         """Split rows across ranks (balanced by tokens) and call; one result per rank."""
-        return self.call_each(name, method, [(batch[i],) for i in balance(batch, self.size)], **kwargs)
+        return self.call_each(name, method, [(_shard(batch, rows),) for rows in balance(batch, self.size)], **kwargs)
 
     def rendezvous(self) -> str | None:
         """A tcp:// address on rank 0's machine for torch.distributed (None for a one-rank group)."""
@@ -174,6 +174,12 @@ class WorkerGroup:
             rank = next((r for r, h in enumerate(self.hosts) if h._actor_id.hex() == e.actor_id), "?")
             reason = str(e).strip().splitlines()[-1]  # Ray's last line says why (killed, out of memory...)
             raise WorkerDied(f"worker '{self.name}' rank {rank} died during {what}: {reason}") from e
+
+
+def _shard(batch: Batch, rows: list[int]) -> Batch:
+    """What a training rank gets of `batch`: these rows' tensor columns. The text and the examples stay with
+    the driver (no rank reads them, and pickling them to a Ray actor costs more than the tensors)."""
+    return Batch((batch if len(rows) == len(batch) else batch[rows]).tensors)  # rows ascending: all is batch
 
 
 def balance(batch: Batch, n: int) -> list[list[int]]:

@@ -78,3 +78,24 @@ def test_views_pandas_repr_html():
     assert "Batch(4 rows" in repr(b) and "response_ids: int64[4, 3]" in repr(b)
     page = b._repr_html_(max_rows=2, max_chars=20)
     assert "… 2 more rows" in page and "x" * 500 not in page and "response_ids int64[4, 3]" in page
+
+
+def test_pickling_sends_tensors_as_arrays_and_gives_back_the_same_batch():
+    """A Batch crosses to a Ray worker or a process pickled: numpy buffers out of band, the same columns back
+    (dtypes numpy lacks, bfloat16, stay tensors), writable even when the received buffer is read-only."""
+    import pickle
+
+    batch = Batch({"ids": torch.arange(6).view(2, 3), "mask": torch.tensor([[True, False], [True, True]]),
+                   "logp": torch.randn(2, 4), "half": torch.randn(2, 2).to(torch.bfloat16),
+                   "view": torch.arange(10.0).view(2, 5)[:, 1:4]},
+                  {"completion": ["a", "b"]}, {"step": 3})
+    buffers = []
+    data = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) >= 3  # ids, mask, logp travel as raw buffers, not through torch.save
+    read_only = [pickle.PickleBuffer(bytes(b.raw())) for b in buffers]  # as Ray hands them: immutable memory
+    back = pickle.loads(data, buffers=read_only)
+    assert back.columns == batch.columns and back.meta == {"step": 3} and back["completion"] == ["a", "b"]
+    for name, column in batch.tensors.items():
+        assert back[name].dtype == column.dtype and torch.equal(back[name], column), name
+    back["ids"][0, 0] = 7  # writable, and not the sender's memory
+    assert batch["ids"][0, 0] == 0
