@@ -183,7 +183,9 @@ def build_root(spec: dict) -> None:
     /dev/{null,zero,random,urandom}, /work (the program's, on the tmpfs) holding its files; then pivot into it."""
     limits, uid = spec["limits"], spec["uid"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the host's mounts
-    root = "/tmp"  # mounted over only inside this namespace
+    # mounted over only inside this namespace: a directory no bound path lies under (a Python under /tmp stays)
+    root = next(d for d in ("/tmp", "/mnt", "/srv", "/media", "/run") if os.path.isdir(d) and
+                not any(path == d or path.startswith(d + "/") for path in spec["read_only"]))
     mount("rlbench-sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV,
           f"size={limits['disk_mb']}m,nr_inodes={limits['disk_inodes']},mode=755")
     for path in spec["read_only"]:
@@ -220,13 +222,16 @@ def build_root(spec: dict) -> None:
     _check(_libc.sethostname(name, len(name)), "sethostname")
 
 
-def set_rlimits(limits: dict) -> None:
+def set_rlimits(limits: dict, *, processes: bool = False) -> None:
+    """The per-process limits; with `processes`, RLIMIT_NPROC too (it counts the processes of the real uid)."""
     R = resource
     R.setrlimit(R.RLIMIT_CORE, (0, 0))
     R.setrlimit(R.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
     R.setrlimit(R.RLIMIT_AS, (limits["memory_mb"] << 20, limits["memory_mb"] << 20))
     R.setrlimit(R.RLIMIT_FSIZE, (limits["output_bytes"], limits["output_bytes"]))
     R.setrlimit(R.RLIMIT_NOFILE, (limits["open_files"], limits["open_files"]))
+    if processes:
+        R.setrlimit(R.RLIMIT_NPROC, (limits["processes"], limits["processes"]))
 
 
 def become_program(spec: dict) -> None:
@@ -235,8 +240,7 @@ def become_program(spec: dict) -> None:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
-    set_rlimits(spec["limits"])  # RLIMIT_NPROC counts the processes of the run's uid: this run's alone
-    resource.setrlimit(resource.RLIMIT_NPROC, (spec["limits"]["processes"], spec["limits"]["processes"]))
+    set_rlimits(spec["limits"], processes=True)  # RLIMIT_NPROC counts the run's uid: this run's processes alone
     prctl(PR_SET_NO_NEW_PRIVS, 1)
     install_seccomp(spec["machine"])
     os.chdir("/work")
@@ -301,8 +305,7 @@ def supervise(spec: dict, status) -> None:
             f.write(text)
     program = os.fork()
     if program == 0:
-        set_rlimits(spec["limits"])
-        resource.setrlimit(resource.RLIMIT_NPROC, (spec["limits"]["processes"], spec["limits"]["processes"]))
+        set_rlimits(spec["limits"], processes=True)
         os.chdir("/work")
         return
     report_exit(status, os.waitpid(program, 0)[1])
