@@ -76,10 +76,11 @@ class Host:
 
 class WorkerGroup:
     """`size` hosts: inline objects (size must be 1) or Ray actors with `cpus` CPUs each. `threads`: torch
-    threads of each host process (None: leave the process's own, for an inline host in the user's process)."""
+    threads of each host process (None: leave the process's own, for an inline host in the user's process).
+    `concurrency`: calls a Ray host runs at once, in threads (a rollout worker takes weights while it samples)."""
 
     def __init__(self, name: str, size: int, *, ray: bool, threads: int | None = 1, cpus: float = 1.0, gpus: float = 0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, concurrency: int = 1):
         self.name, self.size, self.ray = name, size, ray
         if not ray:
             if size != 1:
@@ -89,7 +90,7 @@ class WorkerGroup:
         import ray as ray_module
 
         actor = ray_module.remote(Host).options(
-            num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}})
+            num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}})
         self.hosts = [actor.remote(threads) for _ in range(size)]
 
     # ------------------------------------------------------------------------------ calls

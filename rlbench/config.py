@@ -105,14 +105,33 @@ class Config:
     and reports the sampler mismatch from that forward. Needs one epoch and one mini-batch per step, and an
     algorithm without rollout correction or KL in the reward (they read `old_logp` before the update); the
     batch then has no `old_logp` column."""
+    rollout_mode: str = "sync"
+    """How sampling and training take turns. "sync": each step samples, then trains, with the same weights.
+    "overlap": `step()` samples (and scores) the next step's batch while this step's update runs, in a
+    background thread (a second core, or the sampler's own worker on Ray): one step off-policy, each batch sampled
+    by the weights before the previous update; its `old_logp` is the sampler's log-probs (PPO's old policy is the
+    one that sampled; no forward needed), or with rollout correction the policy's own forward, the correction
+    weights carrying the lag; the next batch is kept in checkpoints. "async": `rollout_workers` rollout workers
+    sample continuously into a buffer of finished groups, taking new weights after every update in the middle of
+    a generation (partial rollouts: `token_version` says which weights drew each token); `step()` trains on the
+    oldest groups, none more than `max_staleness` updates old, waiting when sampling falls behind; rollout
+    correction is on by default (`correction`); the buffer and the in-flight prompts are kept in checkpoints
+    (`rlbench/rollouts.py`). In both background modes, stage timings overlap and a step's metrics describe the
+    batch it trained on."""
+    max_staleness: int = 1
+    """rollout_mode="async": the most policy updates between the weights that drew a group's oldest token and
+    the weights it trains (0: every token drawn by the weights it trains, still sampled while the previous
+    update runs). Sampling pauses when more groups would break it."""
+    rollout_workers: int = 1
+    """rollout_mode="async": rollout workers (each a process on Ray, a thread inline), each with its own sampler."""
+    correction: Any = "auto"
+    """Rollout correction (importance weights between the sampler's and the trainer's log-probs): "auto" = the
+    algorithm's own, and in async mode token TIS when the algorithm has none; a registered name ("token_tis",
+    "seq_tis", "icepop", "mis", "geo_reject": `rl.algorithms.names("correction")`) or an
+    `rl.algorithms.RolloutCorrection` replaces the algorithm's; None (or "none") turns it off (overlap and async
+    then take the sampler's log-probs as `old_logp`: PPO's ratio against the weights that sampled)."""
     overlap_rollout: bool = False
-    """`step()` samples (and scores) the next step's batch while this step's update runs, in a background
-    thread (a second core, or the sampler's own worker on Ray): one step off-policy, each batch sampled by
-    the weights before the previous update. Its `old_logp` is then the sampler's log-probs (PPO's old policy
-    is the one that sampled; no forward needed); with rollout correction, the policy's own forward, the
-    correction weights carrying the lag. Stage timings overlap (rollout and score run during update); the
-    step's metrics describe the batch it trained on. The next batch is kept in checkpoints."""
-
+    """The former name of rollout_mode="overlap" (True sets it)."""
     eval_samples: int = 1
     """Sampled completions per held-out prompt in `evaluate()` (sampled accuracy averages them)."""
     threads: int = 0
@@ -167,9 +186,11 @@ class Config:
     def _check_numbers(self) -> None:
         """Each number finite and in its field's range (a None, where the hint allows it, passes)."""
         for name in ["world_size", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "mini_batches_per_step",
-                     "epochs_per_step", "micro_batch_tokens", "eval_samples", "lr_decay_steps", "reward_workers"]:
+                     "epochs_per_step", "micro_batch_tokens", "eval_samples", "lr_decay_steps", "reward_workers",
+                     "rollout_workers"]:
             self._require(name, lambda v: v > 0, "a positive integer")
-        for name in ["lr_warmup_steps", "top_k", "threads", "save_every", "keep_last", "max_skipped_updates"]:
+        for name in ["lr_warmup_steps", "top_k", "threads", "save_every", "keep_last", "max_skipped_updates",
+                     "max_staleness"]:
             self._require(name, lambda v: v >= 0, "an integer >= 0")
         for name in ["max_prompt_tokens", "vllm_kv_cache_bytes", "vllm_max_model_len"]:
             self._require(name, lambda v: v > 0, "an integer > 0 or None")
@@ -203,6 +224,13 @@ class Config:
         _choice("lr_schedule", self.lr_schedule, ["constant", "linear", "cosine"])
         _choice("long_prompts", self.long_prompts, ["error", "drop"])
         _choice("on_reward_error", self.on_reward_error, ["raise", "zero"])
+        _choice("rollout_mode", self.rollout_mode, ["sync", "overlap", "async"])
+        from rlbench.algorithms import RolloutCorrection, names  # the registry: names registered by the user too
+
+        valid = ["auto", "none", *names("correction")]
+        if not (self.correction is None or isinstance(self.correction, RolloutCorrection) or self.correction in valid):
+            raise ValueError(f"correction={self.correction!r} is not one of: {', '.join(map(repr, valid))}, None or an "
+                             f"rl.algorithms.RolloutCorrection")
 
     def _check_together(self) -> None:
         """Fields that each pass on their own but not together."""
@@ -223,10 +251,20 @@ class Config:
         if self.on_policy_old_logp and (self.epochs_per_step > 1 or self.mini_batches_per_step > 1):
             raise ValueError("on_policy_old_logp needs epochs_per_step=1 and mini_batches_per_step=1: later "
                              "optimizer steps of a batch are off-policy and need the recorded old_logp")
-        if self.on_policy_old_logp and self.overlap_rollout:
-            raise ValueError("on_policy_old_logp needs on-policy batches, and overlap_rollout trains on batches one "
-                             "step old: drop on_policy_old_logp (with overlap_rollout, old_logp is the sampler's, "
-                             "free)")
+        if self.on_policy_old_logp and self.rollout_mode != "sync":
+            raise ValueError(f"on_policy_old_logp needs on-policy batches, and rollout_mode={self.rollout_mode!r} trains "
+                             f"on batches sampled by older weights: drop on_policy_old_logp")
+        if self.overlap_rollout and self.rollout_mode != "overlap":
+            raise ValueError(f"overlap_rollout=True is rollout_mode='overlap', not {self.rollout_mode!r}: set only "
+                             f"rollout_mode")
+        if self.rollout_mode != "async":
+            for name, default in (("rollout_workers", 1), ("max_staleness", 1)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name}={getattr(self, name)} applies to rollout_mode='async' only (this "
+                                     f"session's is {self.rollout_mode!r})")
+        if self.rollout_mode == "async" and self.vllm_sleep:
+            raise ValueError("vllm_sleep frees a GPU the sampler shares with the policy between steps; "
+                             "rollout_mode='async' samples during the update: drop one of them")
         if rows % self.mini_batches_per_step:
             raise ValueError(
                 f"mini_batches_per_step={self.mini_batches_per_step} does not divide the step's "
@@ -257,6 +295,11 @@ class Config:
             raise ValueError("these fields were Python objects, which a checkpoint cannot hold; pass them again, "
                              "e.g. Session.restore(path, name=...): "
                              + "; ".join(f"{k} (was {v})" for k, v in lost.items()))
+        if "overlap_rollout" in overrides and "rollout_mode" not in overrides:  # the former name decides
+            values["rollout_mode"] = "overlap" if overrides["overlap_rollout"] else (
+                "sync" if values.get("rollout_mode") == "overlap" else values.get("rollout_mode", "sync"))
+        if "rollout_mode" in overrides and "overlap_rollout" not in overrides:
+            values["overlap_rollout"] = overrides["rollout_mode"] == "overlap"
         defaults = cls()
         values = {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in values.items()}
         return make_config(**values)
@@ -306,6 +349,10 @@ def make_config(**kwargs) -> Config:
     if unknown:
         raise TypeError(f"unknown Session argument(s) {unknown}; valid: {', '.join(Config.fields())}")
     paths = {k: os.fspath(v) for k, v in kwargs.items() if isinstance(v, os.PathLike)}  # model, log_dir, save_dir
+    if kwargs.get("overlap_rollout") and "rollout_mode" not in kwargs:  # the former name
+        paths["rollout_mode"] = "overlap"
+    if kwargs.get("rollout_mode") == "overlap":
+        paths["overlap_rollout"] = True
     return Config(**kwargs | paths).check()
 
 

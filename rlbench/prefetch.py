@@ -1,4 +1,4 @@
-"""`overlap_rollout`'s background rollout: the next step's batch, sampled and scored while this step's update runs.
+"""rollout_mode="overlap": the next step's batch, sampled and scored while this step's update runs.
 
 Its lifecycle: `during(update)` starts collecting the next batch and waits for it when the update ends (the
 sampler takes the new weights only when idle); the next step `take()`s it. A failure while collecting

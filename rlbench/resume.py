@@ -2,8 +2,9 @@
 
 A folder (`step-NNNNNN/`, written atomically by `rlbench.checkpoints`) holds one subfolder per trained model
 (`policy/`, `reference/`, `critic/`: each worker writes its shards), the sampler's weights when they lag the
-policy's (`sampler.pt`), the batch sampled for the next step under `overlap_rollout` (`next_batch.pt`), the
-configuration (`config.json`) and the `SessionState` (`session.pt`).
+policy's (`sampler.pt`), the batch sampled for the next step under rollout_mode="overlap" (`next_batch.pt`), the
+finished groups and in-flight prompts of rollout_mode="async" (`rollouts.pt`), the configuration (`config.json`)
+and the `SessionState` (`session.pt`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ def save(session, root: Path, keep_last: int) -> Path:
             torch.save({"tensors": pending.tensors, "lists": pending.lists, "meta": pending.meta},
                        folder / "next_batch.pt")
         (folder / "config.json").write_text(json.dumps(session.config.to_record(), indent=1))
-        session.state.save(folder / "session.pt")
+        if session._async is None:
+            session.state.save(folder / "session.pt")
+        else:  # the buffer and the data position at one moment: no group is drawn or finished meanwhile
+            with session._async.frozen():
+                torch.save(session._async.snapshot(), folder / "rollouts.pt")
+                session.state.save(folder / "session.pt")
     return root / f"step-{step:06d}"
 
 
@@ -56,10 +62,12 @@ def load(session, folder: Path, state: SessionState) -> None:
     session.state = state
     for sink in session.sinks:
         sink.resume(state.history)
-    # (restored without overlap_rollout, the batch the old weights sampled would be trained on as if fresh)
-    next_batch = folder / "next_batch.pt"
+    # (restored in another mode, the batches older weights sampled would be trained on as if fresh: dropped)
+    next_batch, rollouts = folder / "next_batch.pt", folder / "rollouts.pt"
     session._prefetch.put(Batch(**torch.load(next_batch, weights_only=True))
-                          if session.config.overlap_rollout and next_batch.is_file() else None)
+                          if session.config.rollout_mode == "overlap" and next_batch.is_file() else None)
+    if session._async is not None and rollouts.is_file():
+        session._async.restore(torch.load(rollouts, weights_only=True))
     if (folder / "sampler.pt").is_file():
         session.sampler.load_weights(torch.load(folder / "sampler.pt", weights_only=True))
         state.sampler_synced = False

@@ -23,6 +23,7 @@ from rlbench.cluster import WorkerDied
 from rlbench.config import Config, make_config
 from rlbench.metrics import accuracy, batch_metrics
 from rlbench.prefetch import Prefetch
+from rlbench.rollouts import AsyncRollouts
 from rlbench.runs import RunLock, new_run_name
 from rlbench.samplers import SamplingParams
 from rlbench.sinks import make_sinks
@@ -37,7 +38,7 @@ class Session:
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be an rl.Config or None, got {type(config).__name__}")
         self.config = cfg = make_config(**(config.to_dict() if config else {}) | overrides)
-        self.algorithm = algorithms.get(cfg.algorithm)
+        self.algorithm = preflight.with_correction(algorithms.get(cfg.algorithm), cfg)
         self.task, self.model_dir, self.tokenizer = preflight.prepare(cfg, self.algorithm)
         self.identity = {"model": self.model_dir, "tokenizer": f"{type(self.tokenizer).__name__}, {len(self.tokenizer)} tokens",
                          "task": tasks.fingerprint(self.task)}
@@ -63,6 +64,7 @@ class Session:
         """Functions `f(session, row)` called after every step (the dashboard is one)."""
         self.last_batch: Batch | None = None
         self._prefetch = Prefetch()
+        self._async = self._async_rollouts() if cfg.rollout_mode == "async" else None
         self._stop_requested = False
         self._aborted: str | None = None  # why the session cannot go on (a step stopped midway)
         self._timings: dict[str, float] = {}
@@ -82,7 +84,11 @@ class Session:
     def close(self) -> None:
         """End every worker of this session (and the Ray instance rlbench started, once unused). Idempotent."""
         self._prefetch.close()
+        if self._async is not None:
+            self._async.close()
         self.workers.close()
+        if self._async is not None:
+            self._async.join()
         for sink in self.sinks:
             sink.close()
         if self._run_lock is not None:
@@ -100,9 +106,17 @@ class Session:
 
         When the algorithm needs a greedy baseline (ReMax), each prompt's greedy completion comes along
         as `baseline_completion` / `baseline_finished` on every sample of its group.
+
+        rollout_mode="async": the buffer's next `prompts_per_step` groups, in the order they were drawn (waiting for
+        them if sampling is behind), with `token_version` (the weights version that drew each token), `staleness`
+        (updates between the weights that drew its group's oldest token and the current ones) and `ticket`.
         """
         cfg = self.config
         with self._timed("rollout"):
+            if self._async is not None:
+                batch = self._async.take(cfg.prompts_per_step)
+                self._tokens_generated += int(batch["response_mask"].sum())
+                return self._staleness(batch).with_meta(session=self.identity)
             examples = self.state.next_examples(self.task.train, cfg.prompts_per_step, cfg.seed)
             params = SamplingParams(n=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -153,7 +167,7 @@ class Session:
         with self._timed("advantage"):
             mask_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
             columns, meta = {}, {}
-            if cfg.overlap_rollout and algorithm.correction is None:  # sampled by the previous weights: PPO's old
+            if cfg.rollout_mode != "sync" and algorithm.correction is None:  # sampled by older weights: PPO's old
                 columns["old_logp"] = batch["sampler_logp"]
             elif not cfg.on_policy_old_logp:  # (else the update's own forward gives it)
                 columns["old_logp"] = self.policy.log_probs(batch)
@@ -208,6 +222,7 @@ class Session:
                 "skipped": sum(s["skipped"] for s in steps)}
         if "reward_kl" in batch.meta:
             self.state.reward_kl.update(batch.meta["reward_kl"], len(batch))
+        self.state.policy_version += 1
         self.state.sampler_synced = False
         if sync:
             self.sync_weights()
@@ -232,15 +247,22 @@ class Session:
 
     def sync_weights(self) -> None:
         """Send the policy's full weights (gathered on rank 0) to the sampler: on Ray through the object
-        store as numpy arrays, zero-copy; inline as views of the same memory."""
+        store as numpy arrays, zero-copy; inline as views of the same memory. rollout_mode="async": to every
+        rollout worker, which takes them at its next token (inline, a copy: the update goes on meanwhile)."""
         with self._timed("sync"):
-            self.sampler.load_weights(self.policy.weights_ref())
+            weights = self.policy.weights_ref()
+            if self._async is None:
+                self.sampler.load_weights(weights)
+            else:
+                self._async.push(weights if self.workers.on_ray else {k: v.copy() for k, v in weights.items()},
+                                 self.state.policy_version)
         self.state.sampler_synced = True
 
     # --------------------------------------------------------------------------------- the loop
     def step(self) -> dict:
         """One RL iteration, `update(advantage(score(rollout())))`; appends and returns its row of `metrics`.
-        With `overlap_rollout`, the batch it trains on was rolled out and scored during the previous step.
+        rollout_mode="overlap": the batch it trains on was rolled out and scored during the previous step;
+        "async": it was sampled in the background (`rollout()`).
         Ctrl-C finishes and records the step, then stops (twice within a second: at once, see `rl.interrupts`)."""
         if self._aborted is not None:
             raise RuntimeError(self._aborted)
@@ -256,7 +278,7 @@ class Session:
         start = time.perf_counter()
         batch = self._prefetch.take()
         batch = self.advantage(self._collect() if batch is None else batch)
-        if self.config.overlap_rollout:  # the next batch is sampled by these weights while they update
+        if self.config.rollout_mode == "overlap":  # the next batch is sampled by these weights while they update
             hook = None if self.workers.on_ray else self.policy.set_before_backward
             with self._prefetch.during(self._collect, hook):
                 stats = self.update(batch, sync=False)
@@ -273,7 +295,8 @@ class Session:
     def _record(self, batch: Batch, stats: dict, seconds: float) -> dict:
         """Append a step's metrics row (history, sinks, callbacks) and count the step."""
         row = {"step": self.state.step_count, "tokens_generated": self._tokens_generated} | batch_metrics(batch) | stats | {
-            f"time_{k}": v for k, v in self._timings.items()} | {"time_step": seconds}
+            f"time_{k}": v for k, v in self._timings.items()} | {"time_step": seconds} | (
+            self._async.take_stats() if self._async is not None else {})
         self.state.history.append(row)
         self.state.step_count += 1
         self.last_batch = batch
@@ -328,7 +351,8 @@ class Session:
 
         Kept: the policy's weights and optimizer state, sharded (torch.distributed.checkpoint: any world
         size can load them), its LR schedule, the critic and reference where present, the sampler's weights
-        when they lag the policy's, the batch sampled for the next step (`overlap_rollout`), the
+        when they lag the policy's, the batch sampled for the next step (rollout_mode="overlap"), the buffer of finished
+        groups and the prompts of those in flight ("async"), the
         `SessionState` (data position, counters, metrics so far) and the configuration.
         Atomic: a crash mid-save leaves the earlier checkpoints whole. Keeps the newest `keep_last`
         (default: the config's; 0 = all).
@@ -357,8 +381,12 @@ class Session:
     def _recover(self) -> Path:
         """After a worker died: end every worker, start them afresh and load the latest checkpoint."""
         folder, state, _ = resume.read(self._save_dir())
+        if self._async is not None:
+            self._async.close()
         self.workers.close()
         self.workers = start_workers(self.config, self.algorithm, self.task, self.model_dir, self.tokenizer)
+        if self._async is not None:
+            self._async = self._async_rollouts()
         resume.load(self, folder, state)
         return folder
 
@@ -448,6 +476,42 @@ class Session:
             self._tokens_generated += int(greedy["loss_mask"].sum())
             batch = batch.with_columns(baseline_score=greedy["score"][torch.tensor(rows)])
         return batch
+
+    def _async_rollouts(self) -> AsyncRollouts:
+        """rollout_mode="async": the buffer and the feeders of the rollout workers (sampling starts at the first
+        step, or when weights are first pushed)."""
+        cfg = self.config
+
+        def draw() -> tuple[dict, int]:
+            example = self.state.next_examples(self.task.train, 1, cfg.seed)[0]
+            self.state.rollouts_done += 1
+            return example, mix(cfg.seed, self.state.rollouts_done - 1)
+
+        def sample(handle, tickets, min_version: int) -> Batch:
+            params = SamplingParams(n=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
+                                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                    seeds=tuple(t.seed for t in tickets))
+            return handle.rollout([t.example for t in tickets], params, min_version)
+
+        return AsyncRollouts(self.workers.rollout, max_staleness=cfg.max_staleness, groups_per_step=cfg.prompts_per_step,
+                             draw=draw, sample=sample, restart=self.workers.restart_rollout,
+                             version=self.state.policy_version)
+
+    def _staleness(self, batch: Batch) -> Batch:
+        """Add `staleness` [B] (of each row's group: the policy updates since its oldest token was drawn) and its
+        summary to `meta`; RuntimeError if it exceeds `max_staleness` (the bound of `rlbench.rollouts`)."""
+        K, now = self.config.max_staleness, self.state.policy_version
+        groups = batch["group_ids"]
+        oldest_B = batch["token_version"].masked_fill(batch["response_mask"] == 0, now).amin(-1)
+        oldest_G = torch.full((int(groups.max()) + 1,), now).scatter_reduce(0, groups, oldest_B, "amin")
+        staleness_G, staleness_B = now - oldest_G, now - oldest_G[groups]
+        if int(staleness_G.max()) > K:
+            raise RuntimeError(f"rollout: group {int(staleness_G.argmax())} was drawn {int(staleness_G.max())} updates "
+                               f"ago, more than max_staleness={K} (a bug in rlbench.rollouts: please report it)")
+        hist = torch.bincount(staleness_G, minlength=K + 1).float() / len(staleness_G)
+        return batch.with_columns(staleness=staleness_B).with_meta(
+            staleness_mean=float(staleness_G.float().mean()), staleness_max=int(staleness_G.max()),
+            **{f"staleness_{k}": float(hist[k]) for k in range(K + 1)})
 
     def _check_origin(self, batch: Batch, stage: str) -> None:
         """ValueError when `batch` is another session's (another model, tokenizer or task: its token ids and

@@ -29,7 +29,9 @@ class SessionState:
     examples_seen: int = 0
     """The data position: training examples drawn so far, over all epochs."""
     rollouts_done: int = 0
-    """Rollouts sampled so far (each seeds its draws with the run's seed and this count)."""
+    """Rollouts sampled so far (each seeds its draws with the run's seed and this count; rollout_mode="async": groups)."""
+    policy_version: int = 0
+    """Policy updates applied so far: the version of the weights a sampler holds after a sync."""
     history: list[dict] = field(default_factory=list)
     """One metrics row per step."""
     skipped_updates: list[dict] = field(default_factory=list)

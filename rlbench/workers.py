@@ -29,7 +29,7 @@ from rlbench.policy import Critic, Policy, Reference
 from rlbench.policy.fsdp import loss_mask, merge_ranks
 from rlbench.policy.training import OptimSettings
 from rlbench.rewards import TaskScorer
-from rlbench.samplers import HFSampler, SamplingParams, VLLMSampler
+from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams, VLLMSampler
 from rlbench.samplers import vllm as vllm_sampler
 
 
@@ -142,11 +142,26 @@ class SamplerHandle:
         if not examples:
             raise ValueError("generate: no examples or prompts given")
         prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
-        out = self.generate_ids(prompt_ids, params)
-        rows = [i for i in range(len(examples)) for _ in range(params.n)]
+        return self._table(examples, prompt_ids, self.generate_ids(prompt_ids, params), params.n)
+
+    def rollout(self, examples: list[dict], params: SamplingParams, min_version: int) -> Batch:
+        """An asynchronous run's rollout (`rl.samplers.PartialRollouts.rollout`): `generate`'s table plus
+        `token_version [B, T]`, the weights version that drew each token (new weights are taken mid-generation)."""
+        prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
+        out = self.workers.call("sampler", PartialRollouts.rollout, prompt_ids, params, min_version)[0]
+        return self._table(examples, prompt_ids, out, params.n)
+
+    def push_weights(self, weights, version: int) -> None:
+        """Asynchronous runs: hand new weights (of this version) to the rollout worker, which takes them at its next
+        token (`rl.samplers.PartialRollouts.push_weights`)."""
+        self.workers.call("sampler", PartialRollouts.push_weights, weights, version)
+
+    def _table(self, examples: list[dict], prompt_ids: list[list[int]], out: Batch, n: int) -> Batch:
+        """The sampler's output with the prompts, the completions' text and the group ids."""
+        rows = [i for i in range(len(examples)) for _ in range(n)]
         ids_B_P, mask_B_P = left_pad([prompt_ids[i] for i in rows], self.tokenizer.pad_token_id)
         completions = self.tokenizer.batch_decode(
-            [ids[: n - int(done)] for ids, n, done in
+            [ids[: k - int(done)] for ids, k, done in
              zip(out["response_ids"].tolist(), out["response_mask"].sum(-1).tolist(), out["finished"].tolist())])
         return out.with_columns(
             prompt=[examples[i]["prompt"] for i in rows], completion=completions,
@@ -214,6 +229,11 @@ class ScorerHandle:
 
 # A sampler is any object following the Sampler protocol (HFSampler, VLLMSampler, a user's): these call its
 # methods whatever its class.
+def _partial_rollouts(factory: Callable, kwargs: dict) -> PartialRollouts:
+    """A rollout worker's sampler: the session's sampler, made interruptible and versioned."""
+    return PartialRollouts(factory(**kwargs))
+
+
 def _sampler_generate(sampler, prompt_ids, params):
     return sampler.generate(prompt_ids, params)
 
@@ -245,6 +265,10 @@ class Workers:
     critic: CriticHandle | None
     groups: list[WorkerGroup]
     on_ray: bool
+    rollout: list[SamplerHandle] | None = None
+    """An asynchronous run's rollout workers (`rollout_mode="async"`); `sampler` is the first of them."""
+    restart_rollout: Callable[[int], SamplerHandle] | None = None
+    """Replace rollout worker i (it died) with a new one, and return its handle."""
 
     def __post_init__(self):
         self._closer = weakref.finalize(self, _close_groups, self.groups, self.on_ray)
@@ -267,7 +291,8 @@ def start_workers(cfg: Config, algorithm: Algorithm, task, model_dir: str, token
         raise ValueError("device='cuda' but torch sees no CUDA GPU here: use device='cpu' or 'auto'")
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     gpus = 1 if device == "cuda" and ray is not None else 0
-    processes = cfg.world_size * separate + 2  # policy ranks (and their reference / critic), sampler, rewards
+    samplers = cfg.rollout_workers if cfg.rollout_mode == "async" else 1
+    processes = cfg.world_size * separate + samplers + 1  # policy ranks (and their reference / critic), samplers, rewards
     groups: list[WorkerGroup] = []
     if ray is not None:
         acquire_ray(ray, cpus_needed=processes * cfg.cpus_per_worker)
@@ -293,9 +318,9 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
                           lr_decay_steps=cfg.lr_decay_steps)
     common = dict(model_dir=model_dir, micro_batch_tokens=cfg.micro_batch_tokens, device=device)
 
-    def group(name: str, size: int) -> WorkerGroup:
+    def group(name: str, size: int, concurrency: int = 1) -> WorkerGroup:
         workers = WorkerGroup(name, size, ray=ray is not None, threads=threads, cpus=cfg.cpus_per_worker,
-                              gpus=gpus if name != "rewards" else 0)
+                              gpus=gpus if name != "rewards" else 0, concurrency=concurrency)
         groups.append(workers)
         return workers
 
@@ -315,9 +340,26 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
         critic.build("critic", Critic, ranks(critic, seed=cfg.seed, optim=dataclasses.replace(
             optim, lr=cfg.critic_lr or cfg.lr)))
     factory, kwargs, choice = _sampler_factory(cfg, model_dir, device)
-    sampler = group("sampler", 1)
-    sampler.build("sampler", factory, [kwargs])
-    sampler = SamplerHandle(sampler, tokenizer, choice)
+    if cfg.rollout_mode == "async":  # N rollout workers, each a sampler that takes new weights mid-generation
+        def start_rollout(i: int) -> SamplerHandle:
+            workers = group(f"rollout-{i}", 1, concurrency=4)  # a rollout, a weights push, an evaluation at once
+            workers.build("sampler", _partial_rollouts, [dict(factory=factory, kwargs=kwargs)])
+            return SamplerHandle(workers, tokenizer, choice)
+
+        def restart_rollout(i: int) -> SamplerHandle:
+            dead = rollout[i].workers
+            dead.close()
+            groups.remove(dead)
+            rollout[i] = start_rollout(i)
+            return rollout[i]
+
+        rollout = [start_rollout(i) for i in range(cfg.rollout_workers)]
+        sampler = rollout[0]
+    else:
+        rollout = restart_rollout = None
+        sampler = group("sampler", 1)
+        sampler.build("sampler", factory, [kwargs])
+        sampler = SamplerHandle(sampler, tokenizer, choice)
     scorer = episodes = None
     if isinstance(task, tasks.AgentTask):
         envs = group("envs", 1)
@@ -332,7 +374,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
     return Workers(policy=PolicyHandle(policy, algorithm, cfg.max_new_tokens), sampler=sampler,
                    scorer=scorer, episodes=episodes, reference=reference and ReferenceHandle(reference),
                    critic=critic and CriticHandle(critic, algorithm, cfg.max_new_tokens),
-                   groups=groups, on_ray=ray is not None)
+                   groups=groups, on_ray=ray is not None, rollout=rollout, restart_rollout=restart_rollout)
 
 
 def _episode_runner(cfg: Config, task, model_dir: str, tokenizer, sampler: SamplerHandle,

@@ -87,6 +87,15 @@ BAD = [  # (field, value, the start of the error)
     ("precision", 16, "precision: expected str, got 16 (int)"),
     ("on_policy_old_logp", 1, "on_policy_old_logp: expected bool, got 1 (int)"),
     ("overlap_rollout", "no", "overlap_rollout: expected bool, got 'no' (str)"),
+    ("rollout_mode", "asynch", "rollout_mode='asynch' is not one of: 'sync', 'overlap', 'async'"),
+    ("rollout_mode", None, "rollout_mode: expected str, got None (NoneType)"),
+    ("max_staleness", -1, "max_staleness must be an integer >= 0, got -1"),
+    ("max_staleness", 1.5, "max_staleness: expected int, got 1.5 (float)"),
+    ("rollout_workers", 0, "rollout_workers must be a positive integer, got 0"),
+    ("rollout_workers", 2.0, "rollout_workers: expected int, got 2.0 (float)"),
+    ("correction", "tis", "correction='tis' is not one of: 'auto', 'none', 'geo_reject', 'icepop', 'mis', 'seq_tis', "
+                          "'token_tis', None or an rl.algorithms.RolloutCorrection"),
+    ("correction", 3, "correction=3 is not one of: 'auto', 'none', "),
     ("eval_samples", 0, "eval_samples must be a positive integer, got 0"),
     ("eval_samples", 1.0, "eval_samples: expected int, got 1.0 (float)"),
     ("threads", -1, "threads must be an integer >= 0, got -1"),
@@ -129,6 +138,11 @@ TOGETHER = [  # fields that pass on their own but not together
      "a mini-batch of 2 samples cannot be split across world_size=4 ranks"),
     (dict(on_policy_old_logp=True, epochs_per_step=2), "on_policy_old_logp needs epochs_per_step=1"),
     (dict(on_policy_old_logp=True, overlap_rollout=True), "on_policy_old_logp needs on-policy batches"),
+    (dict(on_policy_old_logp=True, rollout_mode="async"), "on_policy_old_logp needs on-policy batches, and "
+                                                          "rollout_mode='async' trains on batches sampled by older"),
+    (dict(overlap_rollout=True, rollout_mode="async"), "overlap_rollout=True is rollout_mode='overlap', not 'async'"),
+    (dict(rollout_workers=2), "rollout_workers=2 applies to rollout_mode='async' only (this session's is 'sync')"),
+    (dict(rollout_mode="async", vllm_sleep=True), "vllm_sleep frees a GPU the sampler shares with the policy"),
 ]
 
 HINTS = typing.get_type_hints(Config)

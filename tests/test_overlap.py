@@ -1,4 +1,4 @@
-"""overlap_rollout: the next batch is sampled during the update, by the weights before it (one step off-policy)."""
+"""rollout_mode="overlap": the next batch is sampled during the update, by the weights before it (one step off-policy)."""
 
 import dataclasses
 
@@ -14,7 +14,7 @@ SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="i
 
 
 def test_each_batch_was_sampled_by_the_weights_before_the_previous_update(tiny_dir):
-    with rl.Session(**SMALL, seed=1, lr=1e-3, overlap_rollout=True) as s:
+    with rl.Session(**SMALL, seed=1, lr=1e-3, rollout_mode="overlap") as s:
         s.step()
         after_first = {k: v.clone() for k, v in s.policy.state_dict().items()}
         s.step()
@@ -30,7 +30,7 @@ def test_each_batch_was_sampled_by_the_weights_before_the_previous_update(tiny_d
 def test_overlapped_training_learns(tiny_dir):
     algorithm = rl.algorithms.get("grpo").replace(kl_coef=0.0)
     with rl.Session(**SMALL | dict(prompts_per_step=16, samples_per_prompt=8, algorithm=algorithm), seed=0,
-                    overlap_rollout=True) as s:
+                    rollout_mode="overlap") as s:
         before = s.evaluate()["greedy_accuracy"]
         metrics = s.run(100, progress=False)
         after = s.evaluate()["greedy_accuracy"]
@@ -57,7 +57,7 @@ class Breakable:
 
 def test_a_failed_background_rollout_surfaces_at_the_next_step_and_loses_no_update():
     task = Breakable()
-    with rl.Session(**SMALL | dict(task=task), seed=0, overlap_rollout=True) as s:
+    with rl.Session(**SMALL | dict(task=task), seed=0, rollout_mode="overlap") as s:
         s.step()
         task.broken = True
         s.step()  # its update ran; the batch sampled meanwhile could not be scored
@@ -71,13 +71,13 @@ def test_a_failed_background_rollout_surfaces_at_the_next_step_and_loses_no_upda
 
 
 def test_overlap_and_on_policy_old_logp_exclude_each_other():
-    with pytest.raises(ValueError, match="overlap_rollout trains on batches one step old"):
+    with pytest.raises(ValueError, match="rollout_mode='overlap' trains on batches sampled by older weights"):
         rl.config.make_config(on_policy_old_logp=True, overlap_rollout=True)
 
 
 def test_with_rollout_correction_old_logp_is_the_policy_and_the_weights_carry_the_lag(tiny_dir):
     algorithm = rl.algorithms.get("grpo").replace(correction=rl.algorithms.RolloutCorrection(level="token", mode="tis"))
-    with rl.Session(**SMALL | dict(algorithm=algorithm), seed=1, lr=1e-3, overlap_rollout=True) as s:
+    with rl.Session(**SMALL | dict(algorithm=algorithm), seed=1, lr=1e-3, rollout_mode="overlap") as s:
         first = s.step()
         second = s.step()
         batch = s.last_batch
@@ -93,7 +93,7 @@ def test_inline_the_next_rollout_starts_at_the_backward(monkeypatch):
     events = []
     real_backward = rl.policy.fsdp.backward
     monkeypatch.setattr(rl.policy.fsdp, "backward", lambda *args: (events.append("backward"), real_backward(*args)))
-    with rl.Session(**SMALL, seed=0, overlap_rollout=True) as s:
+    with rl.Session(**SMALL, seed=0, rollout_mode="overlap") as s:
         real_rollout = s.rollout
         monkeypatch.setattr(s, "rollout", lambda: (events.append("rollout"), real_rollout())[1])
         s.step()
@@ -103,7 +103,7 @@ def test_inline_the_next_rollout_starts_at_the_backward(monkeypatch):
 
 
 def test_restored_without_overlap_the_next_step_samples_afresh(tmp_path):
-    with rl.Session(**SMALL, seed=2, lr=1e-3, overlap_rollout=True) as s:
+    with rl.Session(**SMALL, seed=2, lr=1e-3, rollout_mode="overlap") as s:
         s.step()
         folder = s.save(tmp_path)
     assert (folder / "next_batch.pt").is_file()
@@ -112,3 +112,11 @@ def test_restored_without_overlap_the_next_step_samples_afresh(tmp_path):
         batch = r.last_batch  # sampled by the restored weights, so on-policy: old_logp is the sampler's to float
     mask = batch["response_mask"].bool()
     assert (batch["old_logp"] - batch["sampler_logp"])[mask].abs().max() < 1e-4
+
+
+def test_overlap_rollout_is_the_former_name_of_rollout_mode_overlap():
+    assert rl.config.make_config(overlap_rollout=True).rollout_mode == "overlap"
+    assert rl.config.make_config(rollout_mode="overlap").overlap_rollout
+    record = rl.config.make_config(rollout_mode="overlap").to_record()
+    assert rl.Config.from_record(record, overlap_rollout=False).rollout_mode == "sync"
+    assert rl.Config.from_record(record, rollout_mode="async").overlap_rollout is False

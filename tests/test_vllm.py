@@ -3,6 +3,7 @@
 One engine serves the whole module (a process holds one at a time; starting one takes seconds).
 """
 
+import copy
 import gc
 import os
 
@@ -15,7 +16,7 @@ import rlbench as rl
 from rollout_checks import assert_rollout_layout
 from rlbench.batch import left_pad
 from rlbench.policy import batch_logp
-from rlbench.samplers import HFSampler, SamplingParams, VLLMSampler
+from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams, VLLMSampler
 from rlbench.samplers import vllm as vllm_sampler
 
 usable, why = vllm_sampler.available()
@@ -123,6 +124,44 @@ def test_weight_sync_without_restart(sampler, tiny, rows):
     assert isinstance(state["model.norm.weight"].numpy(), np.ndarray)
 
 
+def test_a_partial_rollout_takes_new_weights_between_chunks(sampler, tiny, rows, monkeypatch):
+    """vLLM cannot be interrupted mid-call: a partial rollout samples it in chunks (here 3 tokens) and new weights
+    draw every chunk after they arrive; each token's log-prob is that of the weights that drew it."""
+    model, tokenizer = tiny
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]  # tied, as the policy's are
+    partial = PartialRollouts(sampler, chunk_tokens=3)
+    calls, generate = [], sampler.generate
+
+    def generate_then_push(prompt_ids, params):
+        calls.append(params.max_new_tokens)
+        out = generate(prompt_ids, params)
+        if len(calls) == 1:
+            partial.push_weights(new, 1)
+        return out
+
+    monkeypatch.setattr(sampler, "generate", generate_then_push)
+    params = SamplingParams(n=2, max_new_tokens=9, temperature=2.0, seeds=tuple(range(len(rows))))
+    try:
+        out = partial.rollout(rows, params)
+    finally:
+        sampler.load_weights(state)
+    mask, versions = out["response_mask"].bool(), out["token_version"]
+    assert calls[0] == 3 and len(calls) > 1
+    assert (versions[:, :3][mask[:, :3]] == 0).all() and (versions[:, 3:][mask[:, 3:]] == 1).all()
+    assert mask[:, 3:].any()
+    ids, prompt_mask = left_pad([r for r in rows for _ in range(2)], tokenizer.pad_token_id)
+    batch = out.with_columns(prompt_ids=ids, prompt_mask=prompt_mask)
+    old_logp = batch_logp(model, batch, temperature=2.0, micro_batch_tokens=4096)
+    other = copy.deepcopy(model)
+    other.load_state_dict(new)
+    new_logp = batch_logp(other, batch, temperature=2.0, micro_batch_tokens=4096)
+    expected = torch.where(versions == 1, new_logp, old_logp)
+    torch.testing.assert_close(out["sampler_logp"][mask], expected[mask], atol=LOGP_ATOL, rtol=0)
+
+
 def test_weights_load_the_same_under_any_thread_count(sampler, tiny, rows):
     """On CPU the layout of packed weights depends on the torch thread count at packing time, and vLLM shares
     its kernels between all weights of a shape in the process: a load under any count (the engine started
@@ -190,6 +229,21 @@ def test_grpo_learns_arithmetic_with_the_vllm_sampler(tiny_dir):
     batch = s.advantage(s.score(s.rollout()))
     mask = batch["response_mask"].bool()
     assert (batch["sampler_logp"] - batch["old_logp"])[mask].abs().max() < LOGP_ATOL
+
+
+@pytest.mark.slow
+def test_an_async_session_samples_with_vllm_in_chunks():
+    """rollout_mode="async" with the vLLM sampler (a new engine in the rollout worker): groups within the bound, and
+    the trainer's first step on-policy to vLLM's precision."""
+    with rl.Session(model="tiny-arith", task="arithmetic", cluster="inline", seed=0, sampler="vllm", threads=1,
+                    prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, lr=1e-3, log_dir=None,
+                    rollout_mode="async", max_staleness=1) as s:
+        assert s.sampler.choice.startswith("vllm") and s.workers.rollout[0].workers.hosts[0].objects[
+            "sampler"].interruptible is False
+        s.run(3, progress=False)
+        metrics = s.metrics
+    assert metrics["sampler_kl"].iloc[0] < 1e-6 and (metrics["staleness_max"] <= 1).all()
+    assert metrics["staleness_max"].iloc[-1] == 1
 
 
 def test_an_exported_policy_loads_in_vllm_with_the_same_greedy_completions(tmp_path):

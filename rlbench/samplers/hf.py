@@ -9,6 +9,7 @@ are padding (masked out).
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -49,16 +50,19 @@ class HFSampler:
         model, tokenizer = models.load(model_dir, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
         return cls(model.to(device), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
+                 interrupt: threading.Event | None = None) -> Batch:
+        """The Sampler protocol's `generate`; `interrupt` (set from another thread) stops every row after the token
+        it is drawing (at least one): a partial rollout then continues them with new weights (`PartialRollouts`)."""
         stop_ids = torch.tensor(sorted({*self.stop_token_ids.tolist(), *params.stop_token_ids}), device=self.model.device)
         # inference mode costs a tenth less per op than no_grad; its tensors are cloned into ordinary ones
         with torch.inference_mode():
-            tokens_B_T, logp_B_T = self._decode(prompt_ids, params, stop_ids)
+            tokens_B_T, logp_B_T = self._decode(prompt_ids, params, stop_ids, interrupt)
         self.kept.end_call()
         return self._responses(tokens_B_T.clone(), logp_B_T.clone(), stop_ids)
 
-    def _decode(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
-                stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, stop_ids: torch.Tensor,
+                interrupt: threading.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What each row drew and its log-prob, `[B, steps]` (after a row's stop token: more draws, or pad)."""
         device = self.model.device
         keep = params.keep_cache and isinstance(self.decoder, CompactDecoder)
@@ -84,7 +88,7 @@ class HFSampler:
             running_b = ~torch.isin(token_b, stop_ids)
             if keep:
                 stopped += self._stopped_contexts(rows_b[~running_b], context_b[~running_b], t)
-            if t == T - 1 or not bool(running_b.any()):
+            if t == T - 1 or not bool(running_b.any()) or (interrupt is not None and interrupt.is_set()):
                 break
             rows_b, context_b, token_b = rows_b[running_b], context_b[running_b], token_b[running_b]
             # the next contexts: one decoder row per distinct (context, token); a context that drew k distinct
