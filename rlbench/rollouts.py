@@ -109,11 +109,12 @@ class AsyncRollouts:
         """New weights to every worker (taken at their next token), then let the bound move on."""
         with self._cond:
             self._latest = (weights, version)
-        for handle in list(self.workers):
+            handles = list(self.workers)  # a worker replaced after this line is given these weights by `_replace`
+        for handle in handles:
             try:
                 handle.push_weights(weights, version)
-            except WorkerDied:
-                pass  # its feeder restarts it, with these weights
+            except (WorkerDied, RuntimeError):  # dead, or closed by its feeder's `_replace`
+                pass
         with self._cond:
             self.version, self._base = version, self.consumed
             self._cond.notify_all()
@@ -163,11 +164,12 @@ class AsyncRollouts:
             if not tickets:
                 return
             try:
-                batch = self._sample(self.workers[w], tickets, min_version)
-            except WorkerDied:
-                if not self._replace(w, tickets):
-                    return
-                continue
+                try:
+                    batch = self._sample(self.workers[w], tickets, min_version)
+                except WorkerDied:
+                    if not self._replace(w, tickets):
+                        return
+                    continue
             except BaseException as error:  # surfaces at the trainer's next take()
                 with self._cond:
                     self._flight.pop(w, None)
@@ -225,8 +227,13 @@ class AsyncRollouts:
             if self._closing:
                 return False
             self.waits["restarts"] += 1
-            latest = self._latest
-        self.workers[w] = self._restart(w)
-        if latest is not None:
-            self.workers[w].push_weights(*latest)
-        return True
+        worker = self._restart(w)
+        while True:  # the newest weights, also if a push came meanwhile
+            with self._cond:
+                latest = self._latest
+            if latest is not None:
+                worker.push_weights(*latest)
+            with self._cond:
+                if self._latest is latest:
+                    self.workers[w] = worker
+                    return True

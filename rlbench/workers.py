@@ -268,7 +268,7 @@ class Workers:
     rollout: list[SamplerHandle] | None = None
     """An asynchronous run's rollout workers (`rollout_mode="async"`); `sampler` is the first of them."""
     restart_rollout: Callable[[int], SamplerHandle] | None = None
-    """Replace rollout worker i (it died) with a new one, and return its handle."""
+    """Replace rollout worker i (it died) with a new one behind the same handle, and return the handle."""
 
     def __post_init__(self):
         self._closer = weakref.finalize(self, _close_groups, self.groups, self.on_ray)
@@ -341,19 +341,19 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
             optim, lr=cfg.critic_lr or cfg.lr)))
     factory, kwargs, choice = _sampler_factory(cfg, model_dir, device)
     if cfg.rollout_mode == "async":  # N rollout workers, each a sampler that takes new weights mid-generation
-        def start_rollout(i: int) -> SamplerHandle:
+        def rollout_group(i: int) -> WorkerGroup:
             workers = group(f"rollout-{i}", 1, concurrency=4)  # a rollout, a weights push, an evaluation at once
             workers.build("sampler", _partial_rollouts, [dict(factory=factory, kwargs=kwargs)])
-            return SamplerHandle(workers, tokenizer, choice)
+            return workers
 
-        def restart_rollout(i: int) -> SamplerHandle:
+        def restart_rollout(i: int) -> SamplerHandle:  # the same handle, over a new worker
             dead = rollout[i].workers
             dead.close()
             groups.remove(dead)
-            rollout[i] = start_rollout(i)
+            rollout[i].workers = rollout_group(i)
             return rollout[i]
 
-        rollout = [start_rollout(i) for i in range(cfg.rollout_workers)]
+        rollout = [SamplerHandle(rollout_group(i), tokenizer, choice) for i in range(cfg.rollout_workers)]
         sampler = rollout[0]
     else:
         rollout = restart_rollout = None

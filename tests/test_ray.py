@@ -193,3 +193,39 @@ def test_dynamic_sampling_that_keeps_one_group_still_updates_on_two_ranks(tiny_d
         batch = s.advantage(s.score(s.rollout()))
         stats = s.update(batch[batch["group_ids"] == batch["group_ids"][0]])
         assert stats["skipped"] == 0 and stats["grad_norm"] >= 0
+
+
+def test_async_rollout_workers_on_ray_train_every_group_once_within_the_bound(tiny_dir):
+    small = CONFIG | dict(prompts_per_step=4, samples_per_prompt=4, lr=1e-3)
+    with rl.Session(**small, cluster="ray", rollout_mode="async", max_staleness=1, rollout_workers=2) as s:
+        assert [g.name for g in s.workers.groups] == ["policy", "rollout-0", "rollout-1", "rewards"]
+        tickets = []
+        for _ in range(5):
+            s.step()
+            tickets += s.last_batch["ticket"][::4].tolist()
+        metrics = s.metrics
+    assert tickets == list(range(20))  # in order, none lost, none twice
+    assert (metrics["staleness_max"] <= 1).all() and metrics["staleness_max"].max() == 1
+
+
+def test_a_rollout_worker_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_dir):
+    """Its process is killed by its id while it samples: a new worker takes its place with the newest weights, its
+    groups are sampled again under their own tickets, and training goes on in ticket order."""
+    small = CONFIG | dict(prompts_per_step=8, samples_per_prompt=8, max_new_tokens=12, temperature=1.5)
+    with rl.Session(**small, cluster="ray", rollout_mode="async", max_staleness=1) as s:
+        tickets, killed = [], None
+        for step in range(5):
+            s.step()
+            tickets += s.last_batch["ticket"][::8].tolist()
+            if step == 1:  # the push after this update lets the worker start the next tickets: catch it sampling
+                deadline = time.time() + 10
+                while not s._async._flight and time.time() < deadline:
+                    time.sleep(0.001)
+                assert s._async._flight, "the worker never started a rollout"
+                killed = s.workers.rollout[0].workers.pids()[0]
+                os.kill(killed, 9)
+        metrics = s.metrics
+        new = s.workers.rollout[0].workers.pids()[0]
+    assert new != killed and metrics["restarts"].sum() == 1
+    assert tickets == list(range(40))
+    assert (metrics["staleness_max"] <= 1).all()

@@ -52,8 +52,9 @@ class PartialRollouts:
         """New weights (a state dict of tensors or numpy arrays, not modified afterwards): copied in before the
         sampler's next call, which a rollout in progress makes after the token it is drawing."""
         with self._turn:
-            if self._pending is None or version >= self._pending[1]:
-                self._pending = (weights, version)
+            if version < max(self.version, self._pending[1] if self._pending else 0):
+                return  # older than what it holds or will hold (pushes from two threads crossed)
+            self._pending = (weights, version)
         self._interrupt.set()
 
     def load_weights(self, weights, version: int | None = None) -> None:
@@ -107,6 +108,9 @@ class PartialRollouts:
                 version = self.version
                 if first:  # the first piece: exactly the sampler's own call (shared prompts, the caller's seeds)
                     out = self._call(prompt_ids, replace(params, max_new_tokens=self._piece(T)))
+                    lengths_B = out["response_mask"].sum(-1)
+                    if bool((out["finished"] | (lengths_B >= T)).all()):  # nothing to go on with: as it came
+                        return out.with_columns(token_version=out["response_mask"] * version)
                 else:  # each unfinished row from its own context, with a seed of its own and of its length
                     room = T - len(drawn[rows[0]])
                     out = self._call([prompts[b] + drawn[b] for b in rows], replace(
