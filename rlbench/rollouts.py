@@ -8,11 +8,13 @@ sampling is behind.
 **The staleness bound.** Versions count the policy's updates: weights pushed after update v carry version v.
 A step consumes at least one step's groups (`groups_per_step` = P; dynamic sampling takes more), so when
 version v is pushed with `base` groups consumed so far, ticket i is trained no later than at version
-v + floor((i - base) / P). A feeder starts ticket i only when that is within K = `max_staleness` of the
-weights the worker then holds: i < base + (K + 1) P (the worker takes pushed weights before it starts, and
-raises if it holds older ones than the ticket needs). So a group's oldest token is at most K updates old when
-trained, and sampling pauses when the buffer holds all the groups that could be trained within K.
-`Session` checks the bound on every batch it takes.
+v + floor((i - base) / P) (`_trained_by`, which also counts what the step in progress has taken). A feeder
+starts ticket i only when that is within K = `max_staleness` of the weights the worker then holds: without
+dynamic sampling, i < base + (K + 1) P (the worker takes pushed weights before it starts, and raises if it
+holds older ones than the ticket needs). So a group's oldest token is at most K updates old when trained, and
+sampling pauses when the buffer holds all the groups that could be trained within K. The tickets a step is
+waiting for are always admitted (they are trained by the current weights). `Session` checks the bound on every
+batch it takes.
 
 **Faults.** A worker that dies (a Ray actor killed, out of memory) is replaced by a new one with the newest
 weights; its tickets are drawn again first, under their own indices: no group is lost or trained twice.
@@ -58,6 +60,7 @@ class AsyncRollouts:
         self.consumed = 0
         """Tickets trained on (taken) so far."""
         self._base = 0  # tickets consumed when `version` was pushed
+        self._wanted = 0  # tickets below this one are taken by the step in progress (trained by `version`)
         self._next_index = 0
         self._retry: list[Ticket] = []  # tickets of a dead worker, or of a checkpoint's in-flight groups: first
         self._flight: dict[int, list[Ticket]] = {}  # worker -> the tickets it is rolling out
@@ -88,9 +91,13 @@ class AsyncRollouts:
         wanted = range(self.consumed, self.consumed + groups)
         start = time.perf_counter()
         with self._cond:
+            self._wanted = wanted.stop
+            self._cond.notify_all()
             while not all(i in self._done for i in wanted):
                 if self._error is not None:
                     raise RuntimeError(f"a rollout worker failed: {self._error}") from self._error
+                if self._closing:
+                    raise RuntimeError("the rollout workers were closed (the session was closed)")
                 self._cond.wait(1.0)
             parts = [self._done.pop(i) for i in wanted]
             self.consumed += groups
@@ -199,12 +206,19 @@ class AsyncRollouts:
             while len(tickets) < share and self._admissible(self._peek()):
                 tickets.append(self._pop())
             self._flight[w] = tickets
-            P, K = self.groups_per_step, self.max_staleness
-            newest = max(t.index for t in tickets)
-            return tickets, max(self.version + (newest - self._base) // P - K, 0)
+            return tickets, max(self._trained_by(max(t.index for t in tickets)) - self.max_staleness, 0)
+
+    def _trained_by(self, index: int) -> int:
+        """The latest weights version ticket `index` can be trained by. The step in progress trains `version`; it has
+        taken `consumed - base` tickets (0, or P or more: it may take more) and each later step takes P or more, so
+        ticket i is trained by version + (i - base') // P, base' = max(base, consumed - P); sooner if the step in
+        progress waits for it."""
+        if index < self._wanted:
+            return self.version
+        return self.version + (index - max(self._base, self.consumed - self.groups_per_step)) // self.groups_per_step
 
     def _admissible(self, index: int) -> bool:
-        return index < self._base + (self.max_staleness + 1) * self.groups_per_step
+        return self._trained_by(index) - self.version <= self.max_staleness
 
     def _peek(self) -> int:
         return min(t.index for t in self._retry) if self._retry else self._next_index

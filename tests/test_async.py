@@ -157,10 +157,11 @@ class Tokenizer:
         return ["x" for _ in rows]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(16))
 def test_no_group_is_trained_more_than_max_staleness_updates_after_its_first_token(case, monkeypatch):
-    """Random worker counts and speeds, random trainer speeds, K in 0..3: every taken group's oldest token is at most
-    K versions old, the groups come in ticket order, none lost or repeated."""
+    """Random worker counts and speeds, random trainer speeds, K in 0..3, and steps that take extra groups (dynamic
+    sampling) at random: every taken group's oldest token is at most K versions old, the groups come in ticket
+    order, none lost or repeated, and nothing waits forever."""
     rng = random.Random(case)
     K, P, workers = rng.randint(0, 3), rng.randint(1, 4), rng.randint(1, 3)
     monkeypatch.setattr(rl.tasks, "encode_prompt", lambda tokenizer, prompt: [3, 4, 5])
@@ -179,21 +180,37 @@ def test_no_group_is_trained_more_than_max_staleness_updates_after_its_first_tok
         draw=lambda: ({"prompt": f"p{next(drawn)}"}, 0), restart=start,
         sample=lambda handle, tickets, v: handle.rollout([t.example for t in tickets], SamplingParams(
             n=2, max_new_tokens=6, seeds=tuple(t.seed for t in tickets)), v))
-    version, tickets = 0, []
-    try:
+    tickets, batches, failures = [], [], []
+
+    def train():
+        version = 0
         for step in range(12):
-            batch = rollouts.take(P)
-            oldest = batch["token_version"].masked_fill(batch["response_mask"] == 0, 10**9).amin(-1)
-            assert int(version - oldest.min()) <= K, f"step {step}: staleness {int(version - oldest.min())} > K={K}"
-            tickets += batch["ticket"][::2].tolist()
+            for _ in range(1 + (rng.random() < 0.3) * rng.randint(1, 2)):  # dynamic sampling's extra rounds
+                batch = rollouts.take(P)
+                oldest = batch["token_version"].masked_fill(batch["response_mask"] == 0, 10**9).amin(-1)
+                assert int(version - oldest.min()) <= K, f"step {step}: staleness {int(version - oldest.min())} > {K}"
+                tickets.extend(batch["ticket"][::2].tolist())
+                batches.append(batch)
             time.sleep(rng.uniform(0, 0.03))  # the update
             version += 1
             rollouts.push({}, version)
-    finally:
-        rollouts.close()
-        rollouts.join()
-    assert tickets == list(range(12 * P))
-    assert [e["prompt"] for e in batch["example"][::2]] == [f"p{i}" for i in range(11 * P, 12 * P)]
+
+    def run():
+        try:
+            train()
+        except BaseException as error:
+            failures.append(error)
+
+    trainer = threading.Thread(target=run)
+    trainer.start()
+    trainer.join(60)
+    rollouts.close()
+    rollouts.join()
+    assert not trainer.is_alive(), f"the trainer waited forever for ticket {len(tickets)} (K={K}, P={P})"
+    assert not failures, failures[0]
+    assert tickets == list(range(len(tickets)))
+    last = batches[-1]["ticket"][::2].tolist()
+    assert [e["prompt"] for e in batches[-1]["example"][::2]] == [f"p{i}" for i in last]
 
 
 # ------------------------------------------------------------------------------- the session
