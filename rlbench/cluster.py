@@ -4,7 +4,8 @@ A `WorkerGroup` is `size` hosts (one per rank). A host is a process that holds n
 policy rank, a reference rank, a critic rank, a sampler): objects built on the same host are
 colocated. The driver calls a method of one object on every rank, naming the method by the function
 itself (`group.call("policy", Policy.log_probs, batch)`, never by a string), so a reader and a tool can
-follow the call to the code that runs; `map_rows` / `map_shards` split a Batch's tensor columns across ranks
+follow the call to the code that runs; `submit` starts a call without waiting for it (`Pending`), so that calls
+queued on a rank cost the driver one wait; `map_rows` / `map_shards` split a Batch's tensor columns across ranks
 (balanced by token count) and put the results back in row order. Nothing is hidden behind decorators: every split and
 merge is in this file. The typed handles the session hands out (`rlbench.workers`) are built on these calls.
 
@@ -101,13 +102,19 @@ class WorkerGroup:
 
     def call(self, name: str, method: Callable, *args, **kwargs) -> list:
         """`objects[name].method(*args, **kwargs)` on every rank at once; one result per rank."""
-        return self._get([self._send(h, "call", name, method, *args, **kwargs) for h in self._open()],
-                         f"{name}.{method.__name__}")
+        return self.submit(name, method, *args, **kwargs).result()
 
-    def call_each(self, name: str, method: Callable, args_per_rank: list[tuple], **kwargs) -> list:
-        """Like `call`, rank r getting `*args_per_rank[r]`."""
-        return self._get([self._send(h, "call", name, method, *a, **kwargs)
-                          for h, a in zip(self._open(), args_per_rank)], f"{name}.{method.__name__}")
+    def submit(self, name: str, method: Callable, *args, **kwargs) -> Pending:
+        """`call` without waiting for it. A rank runs the calls it is sent in the order they were sent, so the
+        driver can start several (the policy's and the reference's log-probs) before waiting for the first: on
+        Ray the rank then goes from one to the next without waiting for a round trip to the driver (a few
+        milliseconds each). Inline the call has run on return."""
+        return self.submit_each(name, method, [args] * len(self._open()), **kwargs)
+
+    def submit_each(self, name: str, method: Callable, args_per_rank: list[tuple], **kwargs) -> Pending:
+        """Like `submit`, rank r getting `*args_per_rank[r]`."""
+        return Pending(self, [self._send(h, "call", name, method, *a, **kwargs)
+                              for h, a in zip(self._open(), args_per_rank)], f"{name}.{method.__name__}")
 
     def ref(self, name: str, method: Callable, rank: int = 0):
         """Start `method` on every rank, return rank `rank`'s result without fetching it to the driver
@@ -120,19 +127,23 @@ class WorkerGroup:
             self._get(futures[:rank] + futures[rank + 1 :], f"{name}.{method.__name__}")
         return futures[rank]
 
-    def map_rows(self, name: str, method: Callable, batch: Batch, **kwargs) -> torch.Tensor:
-        """Split rows across ranks (balanced by tokens), call, and put the `[rows, T]` results back in the
-        batch's row order (zero-padded to the widest)."""
+    def map_rows(self, name: str, method: Callable, batch: Batch, **kwargs) -> Pending:
+        """Split rows across ranks (balanced by tokens) and start the call; its result puts the `[rows, T]`
+        results back in the batch's row order (zero-padded to the widest)."""
         index = balance(batch, self.size)
-        parts = self.call_each(name, method, [(_shard(batch, rows),) for rows in index], **kwargs)
-        out = parts[0].new_zeros((len(batch), max(p.shape[1] for p in parts)))
-        for rows, part in zip(index, parts):
-            out[torch.tensor(rows, dtype=torch.long), : part.shape[1]] = part
-        return out
 
-    def map_shards(self, name: str, method: Callable, batch: Batch, **kwargs) -> list:
-        """Split rows across ranks (balanced by tokens) and call; one result per rank."""
-        return self.call_each(name, method, [(_shard(batch, rows),) for rows in balance(batch, self.size)], **kwargs)
+        def merge(parts: list[torch.Tensor]) -> torch.Tensor:
+            out = parts[0].new_zeros((len(batch), max(p.shape[1] for p in parts)))
+            for rows, part in zip(index, parts):
+                out[torch.tensor(rows, dtype=torch.long), : part.shape[1]] = part
+            return out
+
+        return self.submit_each(name, method, [(_shard(batch, rows),) for rows in index], **kwargs).then(merge)
+
+    def map_shards(self, name: str, method: Callable, batch: Batch, **kwargs) -> Pending:
+        """Split rows across ranks (balanced by tokens) and start the call; its result is one per rank."""
+        return self.submit_each(name, method, [(_shard(batch, rows),) for rows in balance(batch, self.size)],
+                                **kwargs)
 
     def rendezvous(self) -> str | None:
         """A tcp:// address on rank 0's machine for torch.distributed (None for a one-rank group)."""
@@ -175,6 +186,21 @@ class WorkerGroup:
             rank = next((r for r, h in enumerate(self.hosts) if h._actor_id.hex() == e.actor_id), "?")
             reason = str(e).strip().splitlines()[-1]  # Ray's last line says why (killed, out of memory...)
             raise WorkerDied(f"worker '{self.name}' rank {rank} died during {what}: {reason}") from e
+
+
+class Pending:
+    """Calls started on a group's ranks (`WorkerGroup.submit`); `result()` waits for them and merges the
+    ranks' results (by default: the list of them). Not a coroutine: the ranks run it whether or not it is awaited."""
+
+    def __init__(self, group: WorkerGroup, futures: list, what: str, merge: Callable[[list], Any] = list):
+        self.group, self.futures, self.what, self.merge = group, futures, what, merge
+
+    def then(self, merge: Callable[[Any], Any]) -> Pending:
+        """The same calls, `merge` applied to what `result()` gave so far."""
+        return Pending(self.group, self.futures, self.what, lambda parts: merge(self.merge(parts)))
+
+    def result(self) -> Any:
+        return self.merge(self.group._get(self.futures, self.what))
 
 
 def _shard(batch: Batch, rows: list[int]) -> Batch:

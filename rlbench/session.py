@@ -166,13 +166,14 @@ class Session:
         algorithm, cfg = self.algorithm, self.config
         with self._timed("advantage"):
             mask_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
-            columns, meta = {}, {}
+            columns, meta, started = {}, {}, {}
             if cfg.rollout_mode != "sync" and algorithm.correction is None:  # sampled by older weights: PPO's old
                 columns["old_logp"] = batch["sampler_logp"]
             elif not cfg.on_policy_old_logp:  # (else the update's own forward gives it)
-                columns["old_logp"] = self.policy.log_probs(batch)
-            if self.reference is not None:
-                columns["ref_logp"] = self.reference.log_probs(batch)
+                started["old_logp"] = self.policy.log_probs_async(batch)
+            if self.reference is not None:  # both started before either is waited for (on Ray: no idle round trip)
+                started["ref_logp"] = self.reference.log_probs_async(batch)
+            columns |= {name: pending.result() for name, pending in started.items()}
             if self.critic is not None:
                 columns["values"] = self.critic.values(batch)
             rewards_B_T = algorithms.outcome_rewards(batch["reward"], mask_B_T)
@@ -216,7 +217,7 @@ class Session:
                 order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
                     mix(cfg.seed, self.state.step_count, epoch))) if cfg.epochs_per_step > 1 else torch.arange(len(batch))
                 for mini in batch[order].chunk(minis):
-                    stats = self.policy.forward_backward(mini) | self.policy.optim_step()
+                    stats = self.policy.train_step(mini)  # forward_backward | optim_step, one call
                     steps.append(stats | (self.critic.train_mini_batch(mini) if self.critic is not None else {}))
             metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} | {
                 "skipped": sum(s["skipped"] for s in steps)}

@@ -23,7 +23,7 @@ from rlbench import models, tasks
 from rlbench.agents import EnvPool, EpisodeRunner, Renderer, get_parser
 from rlbench.algorithms import Algorithm
 from rlbench.batch import Batch, left_pad
-from rlbench.cluster import Ray, WorkerGroup, acquire_ray, check_resources, release_ray
+from rlbench.cluster import Pending, Ray, WorkerGroup, acquire_ray, check_resources, release_ray
 from rlbench.config import Config
 from rlbench.policy import Critic, Policy, Reference
 from rlbench.policy.fsdp import loss_mask, merge_ranks
@@ -41,6 +41,10 @@ class PolicyHandle:
 
     def log_probs(self, batch: Batch) -> torch.Tensor:
         """Log-probs `[B, T]` of the batch's responses under the current weights (rows split across ranks)."""
+        return self.log_probs_async(batch).result()
+
+    def log_probs_async(self, batch: Batch) -> Pending:
+        """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`)."""
         return self.workers.map_rows("policy", Policy.log_probs, batch)
 
     def forward_backward(self, batch: Batch, loss_fn: Algorithm | Callable | None = None) -> dict[str, float]:
@@ -49,19 +53,32 @@ class PolicyHandle:
         `loss_fn`: None for the session's algorithm, another `Algorithm`, or a registered-style loss function
         (`f(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, **hparams) -> (loss_B_T, metrics)`) reduced
         the session's algorithm's way. The loss is reduced with the whole batch's token and sequence counts:
-        calling this once per mini-batch and then `optim_step()` is exactly the session's `update()`.
+        calling this once per mini-batch and then `optim_step()` is the session's `update()` (which calls
+        `train_step`, the same two in one call).
         """
-        algorithm = (self.algorithm if loss_fn is None else loss_fn if isinstance(loss_fn, Algorithm)
-                     else self.algorithm.replace(loss=loss_fn, loss_kwargs={}))
+        algorithm = self._loss_algorithm(loss_fn)
         counts = batch_counts(batch, algorithm.norm_length or self.norm_length)
         return merge_ranks(self.workers.map_shards("policy", Policy.forward_backward, batch, algorithm=algorithm,
-                                                   **counts))
+                                                   **counts).result())
 
     def optim_step(self) -> dict[str, float]:
         """One optimizer step over the gradients accumulated since the last one, on every rank:
         {"grad_norm", "lr", "skipped", "nonfinite_loss", "nonfinite_grad"} (a non-finite loss or gradient
         norm skips it, weights untouched)."""
         return self.workers.call("policy", Policy.optim_step)[0]
+
+    def train_step(self, batch: Batch, loss_fn: Algorithm | Callable | None = None) -> dict[str, float]:
+        """`forward_backward(batch, loss_fn) | optim_step()` in one call to each rank (on Ray one round trip
+        instead of two): the same numbers. A failing gradient pass raises before any optimizer step."""
+        algorithm = self._loss_algorithm(loss_fn)
+        counts = batch_counts(batch, algorithm.norm_length or self.norm_length)
+        per_rank = self.workers.map_shards("policy", Policy.train_step, batch, algorithm=algorithm, **counts).result()
+        return merge_ranks([terms for terms, _ in per_rank]) | per_rank[0][1]
+
+    def _loss_algorithm(self, loss_fn: Algorithm | Callable | None) -> Algorithm:
+        """The algorithm whose loss `forward_backward` takes (see there)."""
+        return (self.algorithm if loss_fn is None else loss_fn if isinstance(loss_fn, Algorithm)
+                else self.algorithm.replace(loss=loss_fn, loss_kwargs={}))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) weights, on CPU (rank 0 gathers them)."""
@@ -95,6 +112,10 @@ class ReferenceHandle:
 
     def log_probs(self, batch: Batch) -> torch.Tensor:
         """Reference log-probs `[B, T]` of the batch's responses (rows split across ranks)."""
+        return self.log_probs_async(batch).result()
+
+    def log_probs_async(self, batch: Batch) -> Pending:
+        """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`)."""
         return self.workers.map_rows("reference", Reference.log_probs, batch)
 
     def save_checkpoint(self, path: str) -> None:
@@ -112,13 +133,13 @@ class CriticHandle:
 
     def values(self, batch: Batch) -> torch.Tensor:
         """Values `[B, T]` of the batch's response positions (rows split across ranks)."""
-        return self.workers.map_rows("critic", Critic.values, batch)
+        return self.workers.map_rows("critic", Critic.values, batch).result()
 
     def train_mini_batch(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped value loss on the batch's `returns` (needs `values`)."""
         counts = batch_counts(batch, self.algorithm.norm_length or self.norm_length)
         return merge_ranks(self.workers.map_shards("critic", Critic.train_mini_batch, batch,
-                                                   mode=self.algorithm.reduction, **counts))
+                                                   mode=self.algorithm.reduction, **counts).result())
 
     def save_checkpoint(self, path: str) -> None:
         self.workers.call("critic", Critic.save_checkpoint, path)

@@ -27,6 +27,7 @@ def handle_step(s: rl.Session) -> dict:
 
 
 def test_a_handle_loop_is_session_step_bit_for_bit():
+    """`step()` trains with `train_step`, the loop here with `forward_backward` then `optim_step`: the same numbers."""
     with rl.Session(**CONFIG, cluster="inline") as stepped:
         expected = [stepped.step() for _ in range(3)]
         expected_weights = stepped.policy.state_dict()

@@ -104,6 +104,11 @@ class Policy:
         self.finite_loss = True
         return self.optimizer.step(finite_loss=finite)
 
+    def train_step(self, batch: Batch, algorithm: alg.Algorithm, **counts) -> tuple[dict[str, float], dict[str, float]]:
+        """`forward_backward` then `optim_step` (one call for a driver that has one mini-batch to step on):
+        (the loss terms, the step's metrics)."""
+        return self.forward_backward(batch, algorithm, **counts), self.optim_step()
+
     def _micro_loss(self, micro: Batch, algorithm: alg.Algorithm, **counts) -> dict[str, torch.Tensor]:
         with autocast(self.precision, self.device):
             logits_B_T_V = response_logits(self.model, micro, self.temperature)
