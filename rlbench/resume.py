@@ -25,7 +25,7 @@ def save(session, root: Path, keep_last: int) -> Path:
     with checkpoints.writing(root, step, keep_last=keep_last) as folder:
         for name, handle in session.workers.trained().items():
             handle.save_checkpoint(str(folder / name))
-        if not session.state.sampler_synced:
+        if not session.state.sampler_synced and session._async is None:  # (async: in-flight groups are drawn again)
             torch.save(_sampler_weights(session), folder / "sampler.pt")
         if (pending := session._prefetch.pending()) is not None:
             torch.save({"tensors": pending.tensors, "lists": pending.lists, "meta": pending.meta},
@@ -68,7 +68,7 @@ def load(session, folder: Path, state: SessionState) -> None:
                           if session.config.rollout_mode == "overlap" and next_batch.is_file() else None)
     if session._async is not None and rollouts.is_file():
         session._async.restore(torch.load(rollouts, weights_only=True))
-    if (folder / "sampler.pt").is_file():
+    if (folder / "sampler.pt").is_file() and session._async is None:
         session.sampler.load_weights(torch.load(folder / "sampler.pt", weights_only=True))
         state.sampler_synced = False
     else:
