@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ class AsyncRollouts:
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._closing = False
+        self._paused = 0
         self._error: BaseException | None = None
         self.waits = {"trainer_wait_s": 0.0, "sampler_wait_s": 0.0, "restarts": 0}
         """Since the last `take_stats()`: seconds the trainer waited for groups, seconds the workers waited
@@ -126,6 +128,19 @@ class AsyncRollouts:
             self.version, self._base = version, self.consumed
             self._cond.notify_all()
         self.start()
+
+    @contextmanager
+    def paused(self):
+        """No ticket starts within the block (those in flight finish): held-out evaluation has the workers' time,
+        and a training clock that leaves evaluation out gives sampling no free time."""
+        with self._cond:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._cond.notify_all()
 
     def take_stats(self) -> dict[str, float]:
         """The waits since the last call, and reset them."""
@@ -197,7 +212,7 @@ class AsyncRollouts:
         share = -(-self.groups_per_step // len(self.workers))
         start = time.perf_counter()
         with self._cond:
-            while not self._closing and self._error is None and not self._admissible(self._peek()):
+            while not self._closing and self._error is None and (self._paused or not self._admissible(self._peek())):
                 self._cond.wait()
             self.waits["sampler_wait_s"] += time.perf_counter() - start
             if self._closing or self._error is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -434,7 +434,8 @@ class Session:
         return self.sampler.generate(texts, params)["completion"] if texts else []
 
     def evaluate(self, *, max_prompts: int | None = None, progress: bool = False) -> dict[str, float]:
-        """Held-out accuracy and mean reward, greedy and sampled (`eval_samples` per prompt)."""
+        """Held-out accuracy and mean reward, greedy and sampled (`eval_samples` per prompt). rollout_mode="async":
+        by the weights the first rollout worker holds (the newest pushed), with no new group started meanwhile."""
         cfg = self.config
         examples = list(self.task.test)[:max_prompts]
         if not examples:
@@ -444,12 +445,13 @@ class Session:
         sampled = SamplingParams(n=cfg.eval_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                  top_p=cfg.top_p, top_k=cfg.top_k, seed=mix(cfg.seed, -1))
         result = {}
-        for mode, params in tqdm([("greedy", greedy), ("sampled", sampled)], desc="evaluate", disable=not progress):
-            rollout = (self._play(examples, params) if self.workers.episodes is not None
-                       else self.sampler.generate(examples, params))
-            scored = self.score(rollout)
-            result[f"{mode}_accuracy"] = float(accuracy(scored).mean())
-            result[f"{mode}_reward"] = float(scored["score"].mean())
+        with self._async.paused() if self._async is not None else nullcontext():  # async: no new groups meanwhile
+            for mode, params in tqdm([("greedy", greedy), ("sampled", sampled)], desc="evaluate", disable=not progress):
+                rollout = (self._play(examples, params) if self.workers.episodes is not None
+                           else self.sampler.generate(examples, params))
+                scored = self.score(rollout)
+                result[f"{mode}_accuracy"] = float(accuracy(scored).mean())
+                result[f"{mode}_reward"] = float(scored["score"].mean())
         return result
 
     def episode(self, example: dict | None = None, *, greedy: bool = False):

@@ -157,29 +157,32 @@ class Tokenizer:
         return ["x" for _ in rows]
 
 
+def sleepy_rollouts(rng: random.Random, K: int, P: int, workers: int, monkeypatch) -> AsyncRollouts:
+    """AsyncRollouts over `workers` inline workers with SleepySamplers of random speeds; prompts "p0", "p1", ..."""
+    monkeypatch.setattr(rl.tasks, "encode_prompt", lambda tokenizer, prompt: [3, 4, 5])
+
+    def start(i: int) -> SamplerHandle:
+        group = WorkerGroup(f"rollout-{i}", 1, ray=False, threads=None)
+        speed = random.Random(rng.random())
+        group.build("sampler", lambda: PartialRollouts(SleepySampler(speed)), [{}])
+        return SamplerHandle(group, Tokenizer(), "sleepy")
+
+    drawn = iter(range(10**6))
+    return AsyncRollouts(
+        [start(i) for i in range(workers)], max_staleness=K, groups_per_step=P,
+        draw=lambda: ({"prompt": f"p{next(drawn)}"}, 0), restart=start,
+        sample=lambda handle, tickets, v: handle.rollout([t.example for t in tickets], SamplingParams(
+            n=2, max_new_tokens=6, seeds=tuple(t.seed for t in tickets)), v))
+
+
 @pytest.mark.parametrize("case", range(16))
 def test_no_group_is_trained_more_than_max_staleness_updates_after_its_first_token(case, monkeypatch):
     """Random worker counts and speeds, random trainer speeds, K in 0..3, and steps that take extra groups (dynamic
     sampling) at random: every taken group's oldest token is at most K versions old, the groups come in ticket
     order, none lost or repeated, and nothing waits forever."""
     rng = random.Random(case)
-    K, P, workers = rng.randint(0, 3), rng.randint(1, 4), rng.randint(1, 3)
-    monkeypatch.setattr(rl.tasks, "encode_prompt", lambda tokenizer, prompt: [3, 4, 5])
-    handles = []
-
-    def start(i: int) -> SamplerHandle:
-        group = WorkerGroup(f"rollout-{i}", 1, ray=False, threads=None)
-        speed = random.Random(rng.random())
-        group.build("sampler", lambda: PartialRollouts(SleepySampler(speed)), [{}])
-        handles.append(SamplerHandle(group, Tokenizer(), "sleepy"))
-        return handles[-1]
-
-    drawn = iter(range(10**6))
-    rollouts = AsyncRollouts(
-        [start(i) for i in range(workers)], max_staleness=K, groups_per_step=P,
-        draw=lambda: ({"prompt": f"p{next(drawn)}"}, 0), restart=start,
-        sample=lambda handle, tickets, v: handle.rollout([t.example for t in tickets], SamplingParams(
-            n=2, max_new_tokens=6, seeds=tuple(t.seed for t in tickets)), v))
+    K, P = rng.randint(0, 3), rng.randint(1, 4)
+    rollouts = sleepy_rollouts(rng, K, P, rng.randint(1, 3), monkeypatch)
     tickets, batches, failures = [], [], []
 
     def train():
@@ -211,6 +214,27 @@ def test_no_group_is_trained_more_than_max_staleness_updates_after_its_first_tok
     assert tickets == list(range(len(tickets)))
     last = batches[-1]["ticket"][::2].tolist()
     assert [e["prompt"] for e in batches[-1]["example"][::2]] == [f"p{i}" for i in last]
+
+
+def test_no_ticket_starts_while_sampling_is_paused(monkeypatch):
+    rollouts = sleepy_rollouts(random.Random(0), 3, 2, 1, monkeypatch)
+    try:
+        rollouts.take(2)
+        with rollouts.paused():
+            deadline = time.time() + 5
+            while rollouts._flight and time.time() < deadline:  # what was in flight finishes
+                time.sleep(0.01)
+            drawn = rollouts._next_index
+            rollouts.push({}, 1)  # the bound moves on: still nothing starts
+            time.sleep(0.2)
+            assert rollouts._next_index == drawn and not rollouts._flight
+        deadline = time.time() + 5
+        while rollouts._next_index == drawn and time.time() < deadline:
+            time.sleep(0.01)
+        assert rollouts._next_index > drawn
+    finally:
+        rollouts.close()
+        rollouts.join()
 
 
 # ------------------------------------------------------------------------------- the session
