@@ -123,7 +123,9 @@ class Config:
     the weights it trains (0: every token drawn by the weights it trains, still sampled while the previous
     update runs). Sampling pauses when more groups would break it."""
     rollout_workers: int = 1
-    """rollout_mode="async": rollout workers (each a process on Ray, a thread inline), each with its own sampler."""
+    """rollout_mode="async": rollout workers, each with its own sampler: a process each on Ray; inline, threads of
+    this process, which share its GIL with the trainer (measured slower per step than sync on CPU: inline async is
+    for stepping through and debugging, cluster="ray" for the speed)."""
     correction: Any = "auto"
     """Rollout correction (importance weights between the sampler's and the trainer's log-probs): "auto" = the
     algorithm's own, and in async mode token TIS when the algorithm has none; a registered name ("token_tis",

@@ -23,8 +23,10 @@ weights; its tickets are drawn again first, under their own indices: no group is
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,6 +88,7 @@ class AsyncRollouts:
                              for w in range(len(self.workers))]
         for thread in self._threads:
             thread.start()
+        atexit.register(_stop_at_exit, weakref.ref(self))  # a session never closed: no feeder mid-rollout at exit
 
     def take(self, groups: int) -> Batch:
         """The next `groups` groups in ticket order, waiting for them; `group_ids` 0..groups-1, `ticket` [B]."""
@@ -266,3 +269,10 @@ class AsyncRollouts:
                 if self._latest is latest:
                     self.workers[w] = worker
                     return True
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    rollouts = ref()
+    if rollouts is not None:
+        rollouts.close()
+        rollouts.join()
