@@ -33,7 +33,7 @@ demo: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m rlbench.quickstart
 
 test: venv vllm
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 bench: venv
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/rlbench bench

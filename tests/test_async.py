@@ -90,34 +90,38 @@ def test_weights_that_arrive_mid_generation_draw_the_rest_of_each_row(tiny):
 
 
 def test_generate_goes_before_a_rollout_in_progress_with_the_newest_weights(tiny):
+    """A held-out evaluation while a rollout runs: it goes in after the rollout's current token, with the weights just
+    pushed, and the rollout goes on after it (no timing: the order of events, from seeded draws)."""
     model, tokenizer = tiny
     import copy
 
     sampler = HFSampler(copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     partial = PartialRollouts(sampler)
     rows = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    step, seen = sampler.decoder.step, []
+    step, running, events = sampler.decoder.step, threading.Event(), []
 
-    def slow_step(token_N):
-        time.sleep(0.02)
+    def step_and_signal(token_N):
+        if len(events) == 0 and not running.is_set():
+            running.set()  # the rollout is drawing its 2nd token
+            time.sleep(0.05)  # the push and the call below arrive meanwhile
         return step(token_N)
 
-    sampler.decoder.step = slow_step
-    background = threading.Thread(target=lambda: seen.append(partial.rollout(rows, SamplingParams(
-        n=2, max_new_tokens=16, temperature=3.0, seeds=(1, 2, 3)))))
+    sampler.decoder.step = step_and_signal
+    background = threading.Thread(target=lambda: events.append(("rollout", partial.rollout(rows, SamplingParams(
+        n=2, max_new_tokens=16, temperature=3.0, seeds=(1, 2, 3))))))
     background.start()
-    time.sleep(0.05)
+    assert running.wait(10)
     new = perturbed(model, 0.05, seed=1)
     partial.push_weights(new, 1)
-    start = time.perf_counter()
     greedy = partial.generate(rows[:1], SamplingParams(max_new_tokens=1, temperature=0))
-    waited = time.perf_counter() - start
+    events.append(("generate", greedy))
     background.join()
-    assert waited < 0.2, f"generate waited {waited:.2f} s for the rollout in progress"
+    assert [name for name, _ in events] == ["generate", "rollout"]
     assert partial.version == 1
     expected = logp_under(model, tokenizer, rows[:1], greedy, new, 1.0)
     torch.testing.assert_close(greedy["sampler_logp"], expected, atol=1e-5, rtol=0)
-    assert seen and int(seen[0]["token_version"].max()) == 1
+    versions = events[1][1]["token_version"]
+    assert int(versions[:, 0].max()) == 0 and int(versions.max()) == 1  # begun under 0, finished under 1
 
 
 # ------------------------------------------------------------------------- the staleness bound
