@@ -119,9 +119,9 @@ class Config:
     (`rlbench/rollouts.py`). In both background modes, stage timings overlap and a step's metrics describe the
     batch it trained on."""
     max_staleness: int = 1
-    """rollout_mode="async": the most policy updates between the weights that drew a group's oldest token and
-    the weights it trains (0: every token drawn by the weights it trains, still sampled while the previous
-    update runs). Sampling pauses when more groups would break it."""
+    """rollout_mode="async": the most policy updates (one per step, all its mini-batches) between the weights that
+    drew a group's oldest token and the weights it trains (0: every token drawn by the weights it trains, sampled
+    while the previous step ends). Sampling pauses when more groups would break it."""
     rollout_workers: int = 1
     """rollout_mode="async": rollout workers, each with its own sampler: a process each on Ray; inline, threads of
     this process, which share its GIL with the trainer (measured slower per step than sync on CPU: inline async is
