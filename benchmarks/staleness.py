@@ -24,7 +24,7 @@ asynchronously (one rollout worker, K = 1 and 2) for the same training-clock bud
 `--eval-every` steps outside the clock, and prints the accuracy each reached at equal times, the time each took to
 reach given accuracies, and s/step.
 
-Outputs under --out: runs.jsonl (every run's curves), curves.csv, table.csv / table.md, <task>.png, findings.png;
+Outputs under --out: runs.jsonl (every run's per-step and evaluation rows), table.csv / table.md, <task>.png, findings.png;
 with --throughput: throughput.jsonl, throughput.md, throughput.png. `--report` redraws them from runs.jsonl.
 Run: .venv/bin/python benchmarks/staleness.py [--steps 150] [--seeds 0 1] [--tasks arithmetic countdown]
 [--findings] [--jobs 2] | --throughput [--budget-s 60] | --report
@@ -87,10 +87,11 @@ class Run:
 
 
 def plan(tasks: list[str], seeds: list[int], findings: bool) -> list[Run]:
-    """The sweep (every task and seed) and, with `findings`, the runs of (a) and (b) on arithmetic."""
+    """The sweep (every task and seed) and, with `findings`, the runs of (a) and (b) on arithmetic; seed by seed (a
+    sweep cut short still has every run of its first seeds)."""
     runs = []
-    for task in tasks:
-        for seed in seeds:
+    for seed in seeds:
+        for task in tasks:
             runs.append(Run(task, seed, "sync"))
             for correction in ("token_tis", None):
                 runs.append(Run(task, seed, "overlap", correction=correction))
@@ -307,12 +308,11 @@ def figure_findings(data, out: Path, plt) -> None:
 
 
 def report(out: Path) -> None:
-    """table.csv, table.md, curves.csv and the figures, from runs.jsonl."""
+    """table.csv, table.md and the figures, from runs.jsonl."""
     results = load(out)
     summary = table(results)
     summary.round(4).to_csv(out / "table.csv", index=False)
     (out / "table.md").write_text(markdown(summary))
-    curves(results).to_csv(out / "curves.csv", index=False)
     figures(results, out)
     print(markdown(summary))
 
