@@ -20,12 +20,13 @@ sampler's, so `sampler_kl` is 0 by construction and the lab takes the same k1 es
 (the loss's `approx_kl`, one mini-batch: the weights before the update).
 
 `--throughput` (issue 18, item 5) instead trains arithmetic on Ray (one torch thread per worker) synchronously and
-asynchronously (one rollout worker, K = 1 and 2) for the same training-clock budget, evaluating every
-`--eval-every` steps outside the clock, and prints the accuracy each reached at equal times, the time each took to
-reach given accuracies, and s/step.
+asynchronously (one rollout worker; K = 1 with and without correction, K = 2) for the same training-clock budget,
+evaluating every `--eval-every` steps outside the clock, and prints the accuracy each reached at equal times, the
+time each took to reach given accuracies, and s/step.
 
-Outputs under --out: runs.jsonl (every run's per-step and evaluation rows), table.csv / table.md, <task>.png, findings.png;
-with --throughput: throughput.jsonl, throughput.md, throughput.png. `--report` redraws them from runs.jsonl.
+Outputs under --out: runs.jsonl (every run's per-step and evaluation rows), table.csv / table.md, <task>.png,
+findings.png; with --throughput: throughput.jsonl, throughput.md, throughput.png. `--report` redraws them from
+runs.jsonl.
 Run: .venv/bin/python benchmarks/staleness.py [--steps 150] [--seeds 0 1] [--tasks arithmetic countdown]
 [--findings] [--jobs 2] | --throughput [--budget-s 60] | --report
 """
@@ -190,13 +191,15 @@ def summarize(result: dict) -> dict:
     evals, steps = result["evals"], result["steps"]
     overlap = result["run"]["mode"] == "overlap"  # one step off: every batch but the first (no staleness column)
     x = np.array([e["step"] for e in evals], dtype=float)
-    auc = {f"auc_{m}": float(np.trapezoid([e[f"{m}_accuracy"] for e in evals], x) / x[-1]) for m in ("greedy", "sampled")}
+    auc = {f"auc_{m}": float(np.trapezoid([e[f"{m}_accuracy"] for e in evals], x) / x[-1])
+           for m in ("greedy", "sampled")}
     return {"task": result["run"]["task"], "group": result["run"]["group"], "run": result["name"],
             "seed": result["run"]["seed"], "final_greedy": evals[-1]["greedy_accuracy"],
             "final_sampled": evals[-1]["sampled_accuracy"], **auc,
             "best_greedy": max(e["greedy_accuracy"] for e in evals),
             "kl_mean": float(np.mean([r["kl"] for r in steps])), "kl_max": float(np.max([r["kl"] for r in steps])),
-            "staleness_mean": float(np.mean([r.get("staleness_mean", float(overlap and r["step"] > 1)) for r in steps])),
+            "staleness_mean": float(np.mean([r.get("staleness_mean", float(overlap and r["step"] > 1))
+                                             for r in steps])),
             "outside_frac": float(np.mean([r.get("correction/outside_frac", 0.0) for r in steps])),
             "train_s": result["train_s"], "s_per_step": result["train_s"] / len(steps)}
 
@@ -269,7 +272,8 @@ def figures(results: list[dict], out: Path) -> None:
 
     data = curves(results)
     for task in dict.fromkeys(r["run"]["task"] for r in results):
-        names = list(dict.fromkeys(r["name"] for r in results if r["run"]["task"] == task and r["run"]["group"] == "sweep"))
+        names = list(dict.fromkeys(r["name"] for r in results
+                                   if r["run"]["task"] == task and r["run"]["group"] == "sweep"))
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
         plot_runs(data[data.task == task], names, axes)
         fig.legend(*axes[0].get_legend_handles_labels(), loc="center right", fontsize=8)
@@ -290,7 +294,7 @@ def figure_findings(data, out: Path, plt) -> None:
          "one step off no corr."]
     colours = dict(zip(a, ["black", "grey", "tab:red", "tab:orange", "tab:blue", "tab:green"]))
     plot_runs(arith, a, axes[0], lambda n: {"color": colours[n], "linestyle": ":" if "gpg" in n else "-"})
-    b = [f"async K={k} no corr." for k in STALENESS] + [f"unclipped: async K={k}" for k in STALENESS]
+    b = [f"async K={k} no corr." for k in STALENESS] + [f"unclipped: async K={k} no corr." for k in STALENESS]
 
     def b_style(name):
         k = name.split("K=")[1].split()[0]
@@ -319,11 +323,13 @@ def report(out: Path) -> None:
 
 # --------------------------------------------------------------------------------------- throughput
 def throughput(args) -> None:
-    """Sync vs async (one rollout worker, K = 1, 2) on Ray, each for `--budget-s` seconds of training."""
+    """Sync vs async (one rollout worker: K = 1 with and without correction, K = 2 with) on Ray, each for
+    `--budget-s` seconds of training."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = [Run("arithmetic", seed, mode, k, "token_tis" if mode == "async" else None, group="throughput")
-            for seed in args.seeds for mode, k in (("sync", 0), ("async", 1), ("async", 2))]
+    runs = [Run("arithmetic", seed, mode, k, correction, group="throughput") for seed in args.seeds
+            for mode, k, correction in (("sync", 0, None), ("async", 1, "token_tis"), ("async", 1, None),
+                                        ("async", 2, "token_tis"))]
     results = []
     with (out / "throughput.jsonl").open("w") as f:
         for run in runs:
@@ -382,10 +388,9 @@ def plot_throughput(results: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    colours = {"sync": "black", "async K=1 TIS": "tab:blue", "async K=2 TIS": "tab:green"}
-    for i, r in enumerate(results):
+    for r in results:
         ax.plot([e["clock_s"] for e in r["evals"]], [e["greedy_accuracy"] for e in r["evals"]], marker=".",
-                color=colours.get(r["name"]), label=r["name"] if r["run"]["seed"] == results[0]["run"]["seed"] else None)
+                label=r["name"] if r["run"]["seed"] == results[0]["run"]["seed"] else None, **style(r["name"]))
     ax.set(xlabel="training seconds (evaluation excluded)", ylabel="held-out greedy accuracy",
            title="arithmetic on Ray, 2 cores: sync vs async (one rollout worker)")
     ax.legend(fontsize=8)
