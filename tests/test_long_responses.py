@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 import rlbench as rl
 from rlbench.batch import Batch, left_pad
-from rlbench.policy import Policy, response_outputs
+from rlbench.policy import Critic, Policy, response_outputs
 from rlbench.policy.forward import PACKED_MASK_BYTES, packed_mask_bytes
 from rlbench.policy.training import OptimSettings
 
@@ -139,3 +139,20 @@ def test_activation_checkpointing_keeps_only_each_blocks_input(tiny_dir, rollout
     plain = saved_bytes(Policy(tiny_dir, OptimSettings(lr=1e-3)))
     checkpointed = saved_bytes(Policy(tiny_dir, OptimSettings(lr=1e-3), activation_checkpointing=True))
     assert checkpointed < plain / 2
+
+
+def test_critic_values_are_the_same_in_both_layouts(tiny_dir, rollout):
+    values = [Critic(tiny_dir, OptimSettings(lr=1e-3), attention=attention).values(rollout)
+              for attention in ("packed", "per_sample")]
+    torch.testing.assert_close(values[1], values[0], atol=1e-5, rtol=0)
+
+
+def test_a_session_trains_the_same_per_sample_and_checkpointed(tiny_dir):
+    weights = []
+    for settings in (dict(attention="packed"), dict(attention="per_sample", activation_checkpointing=True)):
+        with rl.Session(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", prompts_per_step=4,
+                        samples_per_prompt=4, max_new_tokens=8, log_dir=None, seed=5, **settings) as s:
+            s.run(2, progress=False)
+            weights.append(s.policy.state_dict())
+    for name, weight in weights[0].items():
+        torch.testing.assert_close(weights[1][name], weight, atol=1e-5, rtol=0, msg=name)
