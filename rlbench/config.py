@@ -105,8 +105,9 @@ class Config:
     prompt plus all its response tokens): the least compute for short responses, memory and time quadratic
     in W; needs the "eager" or "sdpa" attention implementation (flash attention would ignore the mask and
     is refused). "per_sample": each sample its own row, plain causal attention, no mask tensor: memory
-    linear in the sequence length. "auto": "packed" while its mask would take at most 64 MiB
-    (`rlbench.policy.forward.PACKED_MASK_BYTES`), else "per_sample"."""
+    linear in the sequence length. "auto": "packed" where a cost estimate says it is the cheaper (prompts
+    shared by many short responses) and its mask takes at most 64 MiB, else "per_sample"
+    (`rlbench.policy.forward.packing_pays`)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the policy's backward instead of keeping them:
     activation memory of one block instead of all, for about a third more update compute. The same

@@ -19,7 +19,11 @@ PACK_WIDTH = 64
 ATTENTION = ("auto", "packed", "per_sample")
 """How `response_outputs` lays a batch out for attention (see there)."""
 PACKED_MASK_BYTES = 64 * 2**20
-"""`attention="auto"` packs while the packed layout's additive mask may take at most this many bytes."""
+"""`attention="auto"` packs only while the packed layout's additive mask may take at most this many bytes."""
+PAIRS_PER_TOKEN = 4
+"""`attention="auto"`'s cost model: one token's projections and MLP cost about as much as attending over
+PAIRS_PER_TOKEN x hidden_size query-key pairs (measured on tiny-arith, hidden size 192, forward + backward
+on one CPU thread: about 800 pairs per token)."""
 MASKED_ATTENTION = ("eager", "sdpa")
 """Attention implementations that honour the packed layout's 4-D additive mask (flash attention ignores it)."""
 
@@ -29,15 +33,15 @@ def response_outputs(model, batch: Batch, attention: str = "auto") -> torch.Tens
 
     For a causal LM F is the vocabulary (logits); for a critic's value head F is 1 (the value of the state
     before each token). Outputs past a row's last response token are those of other positions: mask them.
-    Two layouts compute the same numbers (to float rounding):
+    Two layouts compute the same numbers (to float rounding), and "auto" chooses between them:
 
     - "packed" (`_packed_outputs`): each prompt and each shared response prefix once, groups packed into
       rows of width W, through a dense R x W x W mask. The least compute when responses are short, but its
       memory and attention grow with W², and W grows with a group's summed response lengths.
     - "per_sample" (`_per_sample_outputs`): each row on its own (prompt, then response), causal attention
       with no mask tensor: memory linear in the sequence length (with "sdpa" or flash attention).
-    - "auto": "packed" while its mask stays within `PACKED_MASK_BYTES` (`packed_mask_bytes`) and the
-      model's attention honours a mask, else "per_sample".
+    - "auto": "packed" where it pays (`packing_pays`: many short responses to a shared prompt), else
+      "per_sample".
     """
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} is not one of: {', '.join(map(repr, ATTENTION))}")
@@ -46,23 +50,42 @@ def response_outputs(model, batch: Batch, attention: str = "auto") -> torch.Tens
         raise ValueError(f"attention='packed' needs an attention implementation that honours a 4-D mask "
                          f"({' or '.join(MASKED_ATTENTION)}); this model uses {implementation!r}, which would "
                          f"ignore it (every token would see the other samples): use attention='per_sample'")
-    if attention == "per_sample" or (attention == "auto" and (
-            implementation not in MASKED_ATTENTION or packed_mask_bytes(batch) > PACKED_MASK_BYTES)):
+    if attention == "per_sample" or (attention == "auto" and not packing_pays(model, batch)):
         return _per_sample_outputs(model, batch)
     return _packed_outputs(model, batch)
 
 
+def packing_pays(model, batch: Batch) -> bool:
+    """Whether `attention="auto"` packs: the model's attention honours the mask, the mask takes at most
+    `PACKED_MASK_BYTES`, and the packed forward costs no more than the per-sample one, with a cost of
+    tokens + query-key pairs / (`PAIRS_PER_TOKEN` x hidden size) (see there). Packed: its slots times W;
+    per-sample: B rows of the longest row's length L, B·L² pairs. Packing wins where a long prompt is
+    shared by short responses, and loses as responses grow (W grows with a group's summed responses)."""
+    if model.config._attn_implementation not in MASKED_ATTENTION or packed_mask_bytes(batch) > PACKED_MASK_BYTES:
+        return False
+    slots, W = _packed_size(batch)
+    L = int((batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).max())
+    pairs_per_token = PAIRS_PER_TOKEN * model.config.hidden_size
+    return slots * (1 + W / pairs_per_token) <= len(batch) * L * (1 + L / pairs_per_token)
+
+
 def packed_mask_bytes(batch: Batch) -> int:
     """About how many bytes the packed layout's fp32 mask R x W x W takes, without building the layout:
-    (packed slots) x W, with each group's slots taken as its prompt plus all its response tokens (an upper
-    bound: responses that share prefixes take fewer)."""
+    4 x slots x W (see `_packed_size`)."""
+    slots, W = _packed_size(batch)
+    return 4 * slots * W
+
+
+def _packed_size(batch: Batch) -> tuple[int, int]:
+    """About how many slots the packed layout takes and its width W, without building it: each group's
+    slots taken as its prompt plus all its response tokens (an upper bound: responses that share prefixes
+    take fewer), W the longest group or, for short groups, up to 2 x `PACK_WIDTH` (see `_pack`)."""
     new_group_B = _new_groups(batch)
     group_B = new_group_B.cumsum(0) - 1
     prompt_len_G = batch["prompt_mask"][new_group_B].sum(-1)
     length_G = prompt_len_G.index_add(0, group_B, batch["response_mask"].sum(-1).to(prompt_len_G.dtype))
-    longest = int(length_G.max()) if len(length_G) else 0
-    slots = max(int(length_G.sum()), longest)
-    return 4 * slots * max(longest, 2 * PACK_WIDTH)
+    longest, slots = (int(length_G.max()), int(length_G.sum())) if len(length_G) else (0, 0)
+    return slots, max(longest, min(slots, 2 * PACK_WIDTH))
 
 
 def _packed_outputs(model, batch: Batch) -> torch.Tensor:
