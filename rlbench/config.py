@@ -99,6 +99,19 @@ class Config:
     AdamW state, log-probs and losses stay fp32) and the hf sampler's weights in bfloat16. Several times
     faster matmuls on CPUs with AMX / avx512_bf16 and on GPUs; the sampler then matches the trainer to
     ~1e-2 in log-prob, not 1e-5 (`sampler_mismatch_*` shows it)."""
+    attention: str = "auto"
+    """How the trainer's forwards (policy, reference, critic) attend over a micro-batch. "packed": each
+    group's prompt and shared response prefixes once, under a dense rows x W x W mask (W: at least a group's
+    prompt plus all its response tokens): the least compute for short responses, memory and time quadratic
+    in W; needs the "eager" or "sdpa" attention implementation (flash attention would ignore the mask and
+    is refused). "per_sample": each sample its own row, plain causal attention, no mask tensor: memory
+    linear in the sequence length. "auto": "packed" where a cost estimate says it is the cheaper (prompts
+    shared by many short responses) and its mask takes at most 64 MiB, else "per_sample"
+    (`rlbench.policy.forward.packing_pays`)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the policy's backward instead of keeping them:
+    activation memory of one block instead of all, for about a third more update compute. The same
+    gradients."""
     on_policy_old_logp: bool = False
     """Skip the separate `old_logp` forward of `advantage()`: the update uses its own detached log-probs as
     `old_logp` (the same numbers, since the weights that update are the ones that sampled: ratio exactly 1)
@@ -222,6 +235,7 @@ class Config:
             raise ValueError(f"cluster={self.cluster!r} is not one of: 'inline', 'ray', rl.Ray(address=...)")
         _choice("placement", self.placement, ["colocated", "separate"])
         _choice("precision", self.precision, ["fp32", "bf16"])
+        _choice("attention", self.attention, ["auto", "packed", "per_sample"])
         _choice("device", self.device, ["auto", "cpu", "cuda"])
         _choice("lr_schedule", self.lr_schedule, ["constant", "linear", "cosine"])
         _choice("long_prompts", self.long_prompts, ["error", "drop"])

@@ -337,7 +337,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
     optim = OptimSettings(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                           lr_schedule=cfg.lr_schedule, lr_warmup_steps=cfg.lr_warmup_steps,
                           lr_decay_steps=cfg.lr_decay_steps)
-    common = dict(model_dir=model_dir, micro_batch_tokens=cfg.micro_batch_tokens, device=device)
+    common = dict(model_dir=model_dir, micro_batch_tokens=cfg.micro_batch_tokens, device=device, attention=cfg.attention)
 
     def group(name: str, size: int, concurrency: int = 1) -> WorkerGroup:
         workers = WorkerGroup(name, size, ray=ray is not None, threads=threads, cpus=cfg.cpus_per_worker,
@@ -351,7 +351,8 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
                 for r in range(workers.size)]
 
     policy = group("policy", cfg.world_size)
-    policy.build("policy", Policy, ranks(policy, optim=optim, temperature=cfg.temperature, precision=cfg.precision))
+    policy.build("policy", Policy, ranks(policy, optim=optim, temperature=cfg.temperature, precision=cfg.precision,
+                                         activation_checkpointing=cfg.activation_checkpointing))
     reference = critic = None
     if algorithm.needs_reference:
         reference = group("reference", cfg.world_size) if separate else policy

@@ -116,6 +116,26 @@ def test_each_row_draws_what_it_would_draw_alone(tiny, decoder):
         assert bool(out["finished"][b]) == (context[-1] == tokenizer.eos_token_id)
 
 
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [0, 1], [0, 2, 3], [1, 3], [0, 0, 2, 1]],
+                         ids=["same", "last-left-out", "one-left-out", "two-left-out", "branching"])
+def test_keep_goes_on_with_the_kept_rows_copying_only_to_branch(tiny, rows):
+    # decode one token per prompt, keep `rows`, decode one more: the logits of prompts decoded alone in
+    # that order. Rows only left out stay in the same cache (at long lengths a copy of every row's K/V each step
+    # would cost more than the step); only a row kept twice (a branch) makes a new one
+    model, tokenizer = tiny
+    ids_N_P, mask_N_P = left_pad(encode(tokenizer, PROMPTS[:4]), tokenizer.pad_token_id)
+    first_N, second_c = torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10, 11, 12])[: len(rows)]
+    decoder, alone = CompactDecoder(model), CompactDecoder(model)
+    decoder.start(ids_N_P, mask_N_P, 4)
+    decoder.step(first_N)
+    storage = decoder.cache_K.untyped_storage().data_ptr()
+    decoder.keep(torch.tensor(rows))
+    alone.start(ids_N_P[rows], mask_N_P[rows], 4)
+    alone.step(first_N[rows])
+    torch.testing.assert_close(decoder.step(second_c), alone.step(second_c), atol=1e-5, rtol=0)
+    assert (decoder.cache_K.untyped_storage().data_ptr() != storage) == (len(set(rows)) < len(rows))
+
+
 def test_seeded_and_top_k_1_is_greedy(tiny):
     model, tokenizer = tiny
     rows = encode(tokenizer, PROMPTS)

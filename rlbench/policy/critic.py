@@ -23,7 +23,7 @@ class Critic:
 
     def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, micro_batch_tokens: int = 4096, clip_range: float = 0.5,
-                 seed: int = 0, device: str = "cpu"):
+                 seed: int = 0, device: str = "cpu", attention: str = "auto"):
         init_process_group(rank, world_size, init_method, device)
         self.rank, self.world_size, self.device = rank, world_size, device
         with torch.random.fork_rng(devices=[]):  # the value head's init, seeded, without touching the caller's RNG
@@ -31,7 +31,7 @@ class Critic:
             model = models.from_pretrained(AutoModelForTokenClassification, model_dir, num_labels=1)
         self.model = shard(model, world_size, device).eval()  # dropout off, as the policy's
         self.optimizer = Optimizer(self.model, optim)
-        self.micro_batch_tokens, self.clip_range = micro_batch_tokens, clip_range
+        self.micro_batch_tokens, self.clip_range, self.attention = micro_batch_tokens, clip_range, attention
 
     def save_checkpoint(self, path: str) -> None:
         checkpoint.save(path, self.model, self.optimizer, rank=self.rank)
@@ -41,7 +41,7 @@ class Critic:
 
     def values(self, batch: Batch) -> torch.Tensor:
         """Values `[B, T]` of the batch's response positions (0 on padding)."""
-        return batch_outputs(lambda micro: response_outputs(self.model, micro)[..., 0], batch,
+        return batch_outputs(lambda micro: response_outputs(self.model, micro, self.attention)[..., 0], batch,
                              micro_batch_tokens=self.micro_batch_tokens, world_size=self.world_size, device=self.device)
 
     def train_mini_batch(self, mini: Batch, *, mode: str, num_tokens: int, num_seqs: int,
@@ -52,7 +52,7 @@ class Critic:
         for micro in rank_micro_batches(mini, self.micro_batch_tokens, self.world_size):
             micro = micro.trimmed().to(self.device)
             mask_B_T = loss_mask(micro)
-            loss, metrics = alg.value_loss(response_outputs(self.model, micro)[..., 0], micro["values"],
+            loss, metrics = alg.value_loss(response_outputs(self.model, micro, self.attention)[..., 0], micro["values"],
                                            micro["returns"], mask_B_T, clip_range=self.clip_range, mode=mode,
                                            num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
             backward(loss, self.world_size)

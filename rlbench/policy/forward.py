@@ -16,8 +16,80 @@ PACK_WIDTH = 64
 """Packed rows are a whole number of the longest group's length, up to twice this many tokens (see `_pack`)."""
 
 
-def response_outputs(model, batch: Batch) -> torch.Tensor:
+ATTENTION = ("auto", "packed", "per_sample")
+"""How `response_outputs` lays a batch out for attention (see there)."""
+PACKED_MASK_BYTES = 64 * 2**20
+"""`attention="auto"` packs only while the packed layout's additive mask may take at most this many bytes."""
+PAIRS_PER_TOKEN = 4
+"""`attention="auto"`'s cost model: one token's projections and MLP cost about as much as attending over
+PAIRS_PER_TOKEN x hidden_size query-key pairs (measured on tiny-arith, hidden size 192, forward + backward
+on one CPU thread: about 800 pairs per token)."""
+MASKED_ATTENTION = ("eager", "sdpa")
+"""Attention implementations that honour the packed layout's 4-D additive mask (flash attention ignores it)."""
+
+
+def response_outputs(model, batch: Batch, attention: str = "auto") -> torch.Tensor:
     """The model's outputs at the positions that predict each response token, `[B, T, F]` in fp32.
+
+    For a causal LM F is the vocabulary (logits); for a critic's value head F is 1 (the value of the state
+    before each token). Outputs past a row's last response token are those of other positions: mask them.
+    Two layouts compute the same numbers (to float rounding), and "auto" chooses between them:
+
+    - "packed" (`_packed_outputs`): each prompt and each shared response prefix once, groups packed into
+      rows of width W, through a dense R x W x W mask. The least compute when responses are short, but its
+      memory and attention grow with W², and W grows with a group's summed response lengths.
+    - "per_sample" (`_per_sample_outputs`): each row on its own (prompt, then response), causal attention
+      with no mask tensor: memory linear in the sequence length (with "sdpa" or flash attention).
+    - "auto": "packed" where it pays (`packing_pays`: many short responses to a shared prompt), else
+      "per_sample".
+    """
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} is not one of: {', '.join(map(repr, ATTENTION))}")
+    implementation = model.config._attn_implementation
+    if attention == "packed" and implementation not in MASKED_ATTENTION:
+        raise ValueError(f"attention='packed' needs an attention implementation that honours a 4-D mask "
+                         f"({' or '.join(MASKED_ATTENTION)}); this model uses {implementation!r}, which would "
+                         f"ignore it (every token would see the other samples): use attention='per_sample'")
+    if attention == "per_sample" or (attention == "auto" and not packing_pays(model, batch)):
+        return _per_sample_outputs(model, batch)
+    return _packed_outputs(model, batch)
+
+
+def packing_pays(model, batch: Batch) -> bool:
+    """Whether `attention="auto"` packs: the model's attention honours the mask, the mask takes at most
+    `PACKED_MASK_BYTES`, and the packed forward costs no more than the per-sample one, with a cost of
+    tokens + query-key pairs / (`PAIRS_PER_TOKEN` x hidden size) (see there). Packed: its slots times W;
+    per-sample: B rows of the longest row's length L, B·L² pairs. Packing wins where a long prompt is
+    shared by short responses, and loses as responses grow (W grows with a group's summed responses)."""
+    if model.config._attn_implementation not in MASKED_ATTENTION or packed_mask_bytes(batch) > PACKED_MASK_BYTES:
+        return False
+    slots, W = _packed_size(batch)
+    L = int((batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).max())
+    pairs_per_token = PAIRS_PER_TOKEN * model.config.hidden_size
+    return slots * (1 + W / pairs_per_token) <= len(batch) * L * (1 + L / pairs_per_token)
+
+
+def packed_mask_bytes(batch: Batch) -> int:
+    """About how many bytes the packed layout's fp32 mask R x W x W takes, without building the layout:
+    4 x slots x W (see `_packed_size`)."""
+    slots, W = _packed_size(batch)
+    return 4 * slots * W
+
+
+def _packed_size(batch: Batch) -> tuple[int, int]:
+    """About how many slots the packed layout takes and its width W, without building it: each group's
+    slots taken as its prompt plus all its response tokens (an upper bound: responses that share prefixes
+    take fewer), W the longest group or, for short groups, up to 2 x `PACK_WIDTH` (see `_pack`)."""
+    new_group_B = _new_groups(batch)
+    group_B = new_group_B.cumsum(0) - 1
+    prompt_len_G = batch["prompt_mask"][new_group_B].sum(-1)
+    length_G = prompt_len_G.index_add(0, group_B, batch["response_mask"].sum(-1).to(prompt_len_G.dtype))
+    longest, slots = (int(length_G.max()), int(length_G.sum())) if len(length_G) else (0, 0)
+    return slots, max(longest, min(slots, 2 * PACK_WIDTH))
+
+
+def _packed_outputs(model, batch: Batch) -> torch.Tensor:
+    """`response_outputs` in the shared-prefix layout.
 
     No compute goes to padding, nor to any context more than once. Consecutive rows with the same prompt
     (a group of samples) share the prompt, and samples that begin with the same tokens share those tokens:
@@ -26,9 +98,7 @@ def response_outputs(model, batch: Batch) -> torch.Tensor:
     `PACK_WIDTH` tokens (see there). A token attends to its prompt causally and to the prefix it ends, so
     every response token sees exactly the context it had unpacked (the same math; a shared token's
     gradient is the sum over the samples that share it); position ids are those each token had in the
-    sampler. For a causal LM F is the vocabulary (logits); for a critic's value head F is 1 (the value of
-    the state before each token). Outputs past a row's last response token are those of other positions:
-    mask them.
+    sampler.
     """
     ids_N, position_N, span_R_W, predictor_B_T = _pack_groups(batch)
     R, W = span_R_W.shape
@@ -44,6 +114,44 @@ def response_outputs(model, batch: Batch) -> torch.Tensor:
     return out_R_W_F.flatten(0, 1)[predictor_B_T].float()
 
 
+def _per_sample_outputs(model, batch: Batch) -> torch.Tensor:
+    """`response_outputs` with each row on its own: its prompt's real tokens then its response, moved to the
+    row's start (right padding, token 0), through plain causal attention. Nothing after a real token changes
+    what it sees, so no mask is needed and none is built: with "sdpa" or flash attention, memory grows
+    linearly in the longest row's length L (the eager implementation builds its own L x L causal mask).
+    Position ids are 0, 1, ... as in the sampler."""
+    _check_response_mask(batch)
+    ids_B_S = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
+    real_B_S = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).bool()
+    # real tokens first, in their order (a stable sort of "is padding")
+    order_B_S = torch.sort((~real_B_S).to(torch.uint8), dim=1, stable=True).indices
+    L = max(int(real_B_S.sum(-1).max()), 1)
+    ids_B_L = (ids_B_S.gather(1, order_B_S[:, :L]) * real_B_S.gather(1, order_B_S[:, :L])).long()
+    out_B_L_F = model(input_ids=ids_B_L, use_cache=False).logits
+    # response token t is predicted by the row's position prompt_len + t - 1 (past the row's end: any)
+    T = batch["response_ids"].shape[1]
+    prompt_len_B = batch["prompt_mask"].sum(-1)
+    predictor_B_T = (prompt_len_B[:, None] - 1 + torch.arange(T, device=ids_B_L.device)).clamp(0, L - 1)
+    return out_B_L_F.gather(1, predictor_B_T[..., None].expand(-1, -1, out_B_L_F.shape[-1])).float()
+
+
+def _check_response_mask(batch: Batch) -> None:
+    """A response is its first tokens: a response_mask with a 0 before a 1 is a ValueError."""
+    response_mask_B_T = batch["response_mask"].bool()
+    gap_B = (response_mask_B_T[:, 1:] & ~response_mask_B_T[:, :-1]).any(-1)
+    if gap_B.any():
+        raise ValueError(f"response_mask of row {int(gap_B.nonzero()[0])} has a 0 before a 1: a response is "
+                         f"its first tokens (mask out tokens from the loss with loss_mask)")
+
+
+def _new_groups(batch: Batch) -> torch.Tensor:
+    """`[B]`: whether row b starts a group (its prompt differs from the previous row's)."""
+    prompt_ids_B_P, prompt_mask_B_P = batch["prompt_ids"], batch["prompt_mask"].bool()
+    new_group_B = torch.ones(len(prompt_ids_B_P), dtype=torch.bool, device=prompt_ids_B_P.device)
+    new_group_B[1:] = ((prompt_ids_B_P[1:] != prompt_ids_B_P[:-1]) | (prompt_mask_B_P[1:] != prompt_mask_B_P[:-1])).any(-1)
+    return new_group_B
+
+
 def _pack_groups(batch: Batch):
     """The shared-prefix layout of `response_outputs`: token ids and position ids `[N]` (N = R·W slots),
     how many slots from each one on may attend to it `[R, W]`, and the slot whose output predicts each
@@ -51,12 +159,8 @@ def _pack_groups(batch: Batch):
     prompt_ids_B_P, prompt_mask_B_P = batch["prompt_ids"], batch["prompt_mask"].bool()
     response_ids_B_T, response_mask_B_T = batch["response_ids"], batch["response_mask"].bool()
     (B, T), device = response_ids_B_T.shape, response_ids_B_T.device
-    gap_B = (response_mask_B_T[:, 1:] & ~response_mask_B_T[:, :-1]).any(-1)
-    if gap_B.any():
-        raise ValueError(f"response_mask of row {int(gap_B.nonzero()[0])} has a 0 before a 1: a response is "
-                         f"its first tokens (mask out tokens from the loss with loss_mask)")
-    new_group_B = torch.ones(B, dtype=torch.bool, device=device)
-    new_group_B[1:] = ((prompt_ids_B_P[1:] != prompt_ids_B_P[:-1]) | (prompt_mask_B_P[1:] != prompt_mask_B_P[:-1])).any(-1)
+    _check_response_mask(batch)
+    new_group_B = _new_groups(batch)
     group_B = new_group_B.cumsum(0) - 1
     first_G = new_group_B.nonzero().squeeze(-1)  # each group's first row
     G = len(first_G)
@@ -165,17 +269,17 @@ def _prefix_tree(group_B: torch.Tensor, ids_B_T: torch.Tensor, mask_B_T: torch.T
                       nodes_G=torch.bincount(group_M, minlength=groups))
 
 
-def response_logits(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+def response_logits(model, batch: Batch, temperature: float = 1.0, attention: str = "auto") -> torch.Tensor:
     """Logits `[B, T, V]` of each response token, scaled by 1/temperature (temperature 0, greedy: unscaled)."""
-    logits_B_T_V = response_outputs(model, batch)
+    logits_B_T_V = response_outputs(model, batch, attention)
     return logits_B_T_V / temperature if temperature not in (0, 1) else logits_B_T_V
 
 
 def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: int, world_size: int = 1,
-               device: str | torch.device = "cpu") -> torch.Tensor:
+               device: str | torch.device = "cpu", attention: str = "auto") -> torch.Tensor:
     """Log-probs of every response token of `batch`, `[B, T]` on CPU (0 on padding), in micro-batches."""
     def logp(micro: Batch) -> torch.Tensor:
-        return token_logp(response_logits(model, micro, temperature), micro["response_ids"])
+        return token_logp(response_logits(model, micro, temperature, attention), micro["response_ids"])
     return batch_outputs(logp, batch, micro_batch_tokens=micro_batch_tokens, world_size=world_size, device=device)
 
 

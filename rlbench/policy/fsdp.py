@@ -20,8 +20,8 @@ from rlbench import models
 from rlbench.batch import Batch
 from rlbench.policy import checkpoint
 from rlbench.policy.forward import batch_logp, rank_micro_batches, response_logits
-from rlbench.policy.training import (OptimSettings, Optimizer, autocast, backward, full_state_dict, init_process_group,
-                                     shard, use_precision)
+from rlbench.policy.training import (OptimSettings, Optimizer, autocast, backward, checkpoint_blocks, full_state_dict,
+                                     init_process_group, shard, use_precision)
 
 SUMMED_TERMS = frozenset({"loss", "pg_loss", "kl_loss", "entropy"})
 """Terms `Algorithm.actor_loss` reduces with the mini-batch's counts: they add up over micro-batches.
@@ -42,13 +42,16 @@ class Policy:
 
     def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, temperature: float = 1.0, micro_batch_tokens: int = 4096,
-                 device: str = "cpu", precision: str = "fp32"):
+                 device: str = "cpu", precision: str = "fp32", attention: str = "auto",
+                 activation_checkpointing: bool = False):
         init_process_group(rank, world_size, init_method, device)
         self.rank, self.world_size = rank, world_size
         self.temperature, self.micro_batch_tokens, self.device = temperature, micro_batch_tokens, device
-        self.precision = precision
+        self.precision, self.attention = precision, attention
         model = models.from_pretrained(AutoModelForCausalLM, model_dir)
         use_precision(model, precision, device)
+        if activation_checkpointing:
+            checkpoint_blocks(model)
         self.model = shard(model, world_size, device).eval()  # dropout off: see `Policy`
         self.optimizer = Optimizer(self.model, optim)
         self.finite_loss = True  # no non-finite loss since the last optim_step
@@ -63,7 +66,7 @@ class Policy:
         """Log-probs `[B, T]` of the batch's responses under the current weights (no gradient)."""
         with autocast(self.precision, self.device):
             return batch_logp(self.model, batch, temperature=self.temperature, micro_batch_tokens=self.micro_batch_tokens,
-                              world_size=self.world_size, device=self.device)
+                              world_size=self.world_size, device=self.device, attention=self.attention)
 
     def forward_backward(self, batch: Batch, algorithm: alg.Algorithm, *, num_tokens: int, num_seqs: int,
                          norm_length: int) -> dict[str, float]:
@@ -111,7 +114,7 @@ class Policy:
 
     def _micro_loss(self, micro: Batch, algorithm: alg.Algorithm, **counts) -> dict[str, torch.Tensor]:
         with autocast(self.precision, self.device):
-            logits_B_T_V = response_logits(self.model, micro, self.temperature)
+            logits_B_T_V = response_logits(self.model, micro, self.temperature, self.attention)
         entropy_B_T = alg.entropy_from_logits(logits_B_T_V)
         logp_B_T = alg.token_logp(logits_B_T_V, micro["response_ids"])
         if "old_logp" in micro:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -87,6 +89,22 @@ def use_precision(model: torch.nn.Module, precision: str, device: str) -> None:
     (PyTorch's CPU flash-attention backward is ~20x slower in bfloat16 than in fp32; the eager one is fast)."""
     if precision == "bf16" and device == "cpu":
         model.set_attn_implementation("eager")
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> None:
+    """Activation checkpointing: each transformer block keeps only its input for the backward, which runs
+    its forward again (non-reentrant `torch.utils.checkpoint`). Activation memory drops from every
+    block's intermediates to one block's, for about a third more compute; gradients are unchanged.
+
+    Transformers' own `gradient_checkpointing_enable` acts only in training mode, and the trainer's models
+    run in eval mode (no dropout, see `Policy`): the blocks' forwards are wrapped here instead."""
+    blocks = [module for module in model.modules()
+              if type(module).__name__ in (getattr(model, "_no_split_modules", None) or [])]
+    if not blocks:
+        raise ValueError(f"activation checkpointing: {type(model).__name__} names no transformer block class "
+                         f"(_no_split_modules)")
+    for block in blocks:
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
 
 
 def autocast(precision: str, device: str):

@@ -136,7 +136,27 @@ class CompactDecoder:
 
     def keep(self, rows_c: torch.Tensor) -> None:
         """Go on with these rows of the batch, in this order; a row listed k times is copied k times (a
-        context that branches), one left out costs nothing more."""
+        context that branches), one left out costs nothing more.
+
+        Only what changes is copied, since a long generation keeps rows at most every step: the same rows
+        (every context drew one token) copy nothing; rows left out at the end leave a narrower view of the
+        same cache; rows left out elsewhere move the rows after them down, in place. Only a branching (or
+        reordering) step copies every kept row's written K/V into a new cache."""
+        N, C = self.cache_K.shape[1], len(rows_c)
+        order_c = torch.arange(C, device=rows_c.device)
+        if C <= N and bool((rows_c == order_c).all()):  # the first C rows: no copy
+            self.cache_K, self.cache_V = self.cache_K[:, :C], self.cache_V[:, :C]
+            self.bias_N_L, self.position_N = self.bias_N_L[:C], self.position_N[:C]
+            return
+        if bool((rows_c[1:] > rows_c[:-1]).all()):  # rows left out: those after a gap move down in place
+            moved_m = (rows_c != order_c).nonzero().squeeze(-1)
+            from_m, t = rows_c[moved_m], self.length
+            for cache in (self.cache_K, self.cache_V):  # only the written positions
+                cache[:, moved_m, :, :t] = cache[:, from_m, :, :t]
+            self.bias_N_L[moved_m] = self.bias_N_L[from_m]
+            self.cache_K, self.cache_V = self.cache_K[:, :C], self.cache_V[:, :C]
+            self.bias_N_L, self.position_N = self.bias_N_L[:C], self.position_N[rows_c]
+            return
         for name in ["cache_K", "cache_V"]:  # only the written positions are copied
             cache = getattr(self, name)
             kept = cache.new_empty(cache.shape[0], len(rows_c), *cache.shape[2:])

@@ -1,0 +1,165 @@
+"""Long responses: the per-sample attention layout computes what each row's own forward computes, in memory
+linear in the sequence length, and activation checkpointing leaves gradients unchanged."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import rlbench as rl
+from rlbench.batch import Batch, left_pad
+from rlbench.policy import Critic, Policy, response_outputs
+from rlbench.policy.forward import PACKED_MASK_BYTES, packed_mask_bytes, packing_pays
+from rlbench.policy.training import OptimSettings
+
+GRPO = rl.algorithms.get("grpo").replace(kl_coef=0.0)
+
+
+def grouped_batch(prompts: list[list[int]], lengths: list[list[int]], *, shared: int, seed: int = 0) -> Batch:
+    """Random responses, `lengths[g]` for the samples of prompt g; a group's samples share their first
+    `shared` tokens (a shared response prefix) and differ after it."""
+    g = torch.Generator().manual_seed(seed)
+    rows, responses = [], []
+    for prompt, group_lengths in zip(prompts, lengths):
+        prefix = torch.randint(3, 250, (shared,), generator=g).tolist()
+        for n in group_lengths:
+            rows.append(prompt)
+            responses.append((prefix + torch.randint(3, 250, (n,), generator=g).tolist())[:n])
+    prompt_ids, prompt_mask = left_pad(rows, 0)
+    T = max(map(len, responses))
+    response_ids = torch.tensor([r + [0] * (T - len(r)) for r in responses])
+    response_mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in responses])
+    advantages = torch.randn(len(rows), 1, generator=g) * response_mask
+    return Batch(dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                      response_mask=response_mask, advantages=advantages))
+
+
+def own_row_outputs(model, batch: Batch) -> list[torch.Tensor]:
+    """Each row through the model alone, unpadded: the outputs `[t, F]` that predict its t response tokens."""
+    outputs = []
+    for b in range(len(batch)):
+        prompt = batch["prompt_ids"][b][batch["prompt_mask"][b].bool()]
+        response = batch["response_ids"][b][batch["response_mask"][b].bool()]
+        out_L_F = model(input_ids=torch.cat([prompt, response])[None], use_cache=False).logits[0]
+        outputs.append(out_L_F[len(prompt) - 1 : len(prompt) + len(response) - 1])
+    return outputs
+
+
+def test_per_sample_outputs_and_gradients_equal_each_rows_own_forward(tiny):
+    # 3 groups: 4 samples sharing a 3-token response prefix, 2 samples, 1 sample; lengths differ in a group.
+    # The loss: a token-mean of advantage-weighted log-probs (a policy gradient's)
+    model, _ = tiny
+    batch = grouped_batch([[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[9, 4, 3, 7], [6, 2], [5]], shared=3)
+    ids_B_T, mask_B_T, adv_B_T = batch["response_ids"], batch["response_mask"].bool(), batch["advantages"]
+    model.zero_grad()
+    per_sample_B_T_V = response_outputs(model, batch, "per_sample")
+    logp_B_T = rl.algorithms.token_logp(per_sample_B_T_V, ids_B_T)
+    ((logp_B_T * adv_B_T)[mask_B_T].sum() / mask_B_T.sum()).backward()
+    per_sample_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    own = own_row_outputs(model, batch)
+    own_logp = [rl.algorithms.token_logp(out[None], ids_B_T[b, None, : len(out)])[0] for b, out in enumerate(own)]
+    (sum((logp * adv_B_T[b, : len(logp)]).sum() for b, logp in enumerate(own_logp)) / mask_B_T.sum()).backward()
+    for b, out in enumerate(own):
+        torch.testing.assert_close(per_sample_B_T_V[b, : len(out)], out, atol=1e-5, rtol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(per_sample_grads[name], p.grad, atol=1e-5, rtol=0, msg=name)
+    model.zero_grad(set_to_none=True)
+
+
+def update_gradients(policy: Policy, batch: Batch) -> dict[str, torch.Tensor]:
+    counts = dict(num_tokens=int(batch.tensors.get("loss_mask", batch["response_mask"]).sum()), num_seqs=len(batch),
+                  norm_length=batch["response_ids"].shape[1])
+    with torch.no_grad():
+        batch = batch.with_columns(old_logp=policy.log_probs(batch) + 0.01)  # off-policy: ratios other than 1
+    policy.forward_backward(batch, GRPO, **counts)
+    grads = {name: p.grad.clone() for name, p in policy.model.named_parameters()}
+    policy.optimizer.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("settings", [dict(attention="per_sample"),
+                                      dict(attention="packed", activation_checkpointing=True),
+                                      dict(attention="per_sample", activation_checkpointing=True)],
+                         ids=["per_sample", "packed-checkpointed", "per_sample-checkpointed"])
+def test_policy_gradients_with_loss_mask_holes_equal_the_packed_update(tiny_dir, settings):
+    # multi-turn: loss_mask zeros inside the responses (tool output tokens), response_mask without holes
+    batch = grouped_batch([[5, 6, 7], [8, 9]], [[12, 8, 10], [11, 5]], shared=2)
+    loss_mask = batch["response_mask"].clone()
+    loss_mask[:, 3:6] = 0
+    batch = batch.with_columns(loss_mask=loss_mask)
+    expected = update_gradients(Policy(tiny_dir, OptimSettings(lr=1e-3), attention="packed"), batch)
+    got = update_gradients(Policy(tiny_dir, OptimSettings(lr=1e-3), **settings), batch)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_long_responses_run_per_sample_without_a_quadratic_tensor(tiny):
+    # 8 samples of up to 2110 tokens: the packed layout would need a mask of over 1 GiB. Per-sample, no op
+    # sees a tensor with two dimensions of a sequence's length (an L x L mask or score matrix), and the largest
+    # allocation is linear in the tokens: the MLP's activations, 8 x 2110 x 768 fp32 (~50 MiB; one row's
+    # 2110 x 2110 scores would already be 17 MiB, all rows' 136 MiB)
+    model, _ = tiny
+    batch = grouped_batch([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]], [[2100, 2050, 2100, 1900, 2100, 2000, 2100, 2080]],
+                          shared=4)
+    assert packed_mask_bytes(batch) > 2**30 > PACKED_MASK_BYTES
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                 profile_memory=True, record_shapes=True) as profile:
+        auto_B_T_V = response_outputs(model, batch)  # auto: per-sample at this size
+    events = profile.events()
+    square = [(event.name, shape) for event in events for shape in event.input_shapes
+              if isinstance(shape, list) and sum(isinstance(d, int) and d >= 1900 for d in shape) >= 2]
+    assert not square
+    assert 0 < max(event.cpu_memory_usage for event in events) <= 8 * 2110 * 768 * 4
+    with torch.no_grad():
+        own = own_row_outputs(model, batch[:2])
+    for b, out in enumerate(own):
+        torch.testing.assert_close(auto_B_T_V[b, : len(out)], out, atol=1e-5, rtol=0)
+
+
+def test_auto_packs_where_packing_pays(tiny, rollout):
+    model, _ = tiny
+    # the quickstart's shapes (4 prompts x 4 samples of up to 8 tokens), a long prompt shared by short answers
+    assert packing_pays(model, rollout)
+    assert packing_pays(model, grouped_batch([list(range(5, 205))], [[8] * 8], shared=0))
+    # 8 samples of 128 tokens to a 10-token prompt: packed takes ~1000 x 1000 pairs, per-sample 8 x 138²
+    # (measured: forward + backward 0.28 s packed, 0.14 s per-sample)
+    assert not packing_pays(model, grouped_batch([list(range(5, 15))], [[128] * 8], shared=0))
+
+
+def test_an_attention_that_ignores_the_mask_is_refused_on_the_packed_path(tiny_dir, rollout):
+    model = rl.models.from_pretrained(AutoModelForCausalLM, tiny_dir, attn_implementation="flex_attention")
+    with pytest.raises(ValueError, match="attention='packed' needs an attention implementation that honours"):
+        response_outputs(model, rollout, "packed")
+    assert not packing_pays(model, rollout)  # auto: per-sample
+
+
+def test_activation_checkpointing_keeps_only_each_blocks_input(tiny_dir, rollout):
+    def saved_bytes(policy: Policy) -> int:
+        saved = []
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            saved.append(tensor.numel() * tensor.element_size())
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            response_outputs(policy.model, rollout, "packed")
+        return sum(saved)
+    plain = saved_bytes(Policy(tiny_dir, OptimSettings(lr=1e-3)))
+    checkpointed = saved_bytes(Policy(tiny_dir, OptimSettings(lr=1e-3), activation_checkpointing=True))
+    assert checkpointed < plain / 2
+
+
+def test_critic_values_are_the_same_in_both_layouts(tiny_dir, rollout):
+    values = [Critic(tiny_dir, OptimSettings(lr=1e-3), attention=attention).values(rollout)
+              for attention in ("packed", "per_sample")]
+    torch.testing.assert_close(values[1], values[0], atol=1e-5, rtol=0)
+
+
+def test_a_session_trains_the_same_per_sample_and_checkpointed(tiny_dir):
+    weights = []
+    for settings in (dict(attention="packed"), dict(attention="per_sample", activation_checkpointing=True)):
+        with rl.Session(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", prompts_per_step=4,
+                        samples_per_prompt=4, max_new_tokens=8, log_dir=None, seed=5, **settings) as s:
+            s.run(2, progress=False)
+            weights.append(s.policy.state_dict())
+    for name, weight in weights[0].items():
+        torch.testing.assert_close(weights[1][name], weight, atol=1e-5, rtol=0, msg=name)
