@@ -16,8 +16,8 @@ Two published findings are checked at this tiny scale (`--findings`):
 
 The sampler-trainer KL is `sampler_kl` (k1 of KL(sampler || trainer) on the sampled tokens) when the batch's old_logp
 is the trainer's forward (sync, or a correction); without correction in overlap / async mode old_logp *is* the
-sampler's, so `sampler_kl` is 0 by construction and the lab takes the same k1 estimate from the update's own forward
-(the loss's `approx_kl`, one mini-batch: the weights before the update).
+sampler's, and the same k1 estimate comes from the update's own forward (one mini-batch: the weights before the
+update): the session reports it as `sampler_kl`, the lab reads it as the loss's `approx_kl` (the same number).
 
 `--throughput` (issue 18, item 5) instead trains arithmetic on Ray (one torch thread per worker) synchronously and
 asynchronously (one rollout worker; K = 1 with and without correction, K = 2) for the same training-clock budget,

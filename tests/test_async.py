@@ -259,8 +259,10 @@ def test_correction_can_be_named_or_turned_off():
     with rl.Session(**SMALL, rollout_mode="async", correction=None) as s:
         assert s.algorithm.correction is None
         s.step()
+        s.step()
         batch = s.last_batch  # no correction: PPO's ratio against the weights that sampled
         assert torch.equal(batch["old_logp"], batch["sampler_logp"])
+        assert s.metrics["sampler_kl"].iloc[-1] > 0  # the mismatch, from the update's own forward
     with rl.Session(**SMALL, correction="icepop") as s:  # any mode
         assert s.algorithm.correction == rl.algorithms.get_correction("icepop")
 

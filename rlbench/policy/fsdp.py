@@ -117,11 +117,14 @@ class Policy:
             logits_B_T_V = response_logits(self.model, micro, self.temperature, self.attention)
         entropy_B_T = alg.entropy_from_logits(logits_B_T_V)
         logp_B_T = alg.token_logp(logits_B_T_V, micro["response_ids"])
-        if "old_logp" in micro:
-            old_logp_B_T, mismatch = micro["old_logp"], {}
-        else:  # Config.on_policy_old_logp: these weights sampled the batch, old_logp is this forward's
+        if "old_logp" not in micro:  # Config.on_policy_old_logp: these weights sampled the batch, old_logp is this forward's
             old_logp_B_T = logp_B_T.detach()
             mismatch = alg.mismatch_metrics(old_logp_B_T, micro["sampler_logp"], loss_mask(micro))
+        elif torch.equal(micro["old_logp"], micro["sampler_logp"]):  # overlap / async uncorrected: PPO's old is the
+            old_logp_B_T = micro["old_logp"]  # sampler's, so the batch shows no mismatch; this forward shows it
+            mismatch = alg.mismatch_metrics(logp_B_T.detach(), old_logp_B_T, loss_mask(micro))
+        else:
+            old_logp_B_T, mismatch = micro["old_logp"], {}
         loss, metrics = algorithm.actor_loss(
             logp_B_T, old_logp_B_T, micro["advantages"],
             loss_mask(micro), ref_logp_B_T=micro.tensors.get("ref_logp"),
