@@ -158,7 +158,7 @@ def _pack_groups(batch: Batch):
     response token `[B, T]`. Padding slots hold token 0 and attend only to themselves."""
     prompt_ids_B_P, prompt_mask_B_P = batch["prompt_ids"], batch["prompt_mask"].bool()
     response_ids_B_T, response_mask_B_T = batch["response_ids"], batch["response_mask"].bool()
-    (B, T), device = response_ids_B_T.shape, response_ids_B_T.device
+    T, device = response_ids_B_T.shape[1], response_ids_B_T.device
     _check_response_mask(batch)
     new_group_B = _new_groups(batch)
     group_B = new_group_B.cumsum(0) - 1
