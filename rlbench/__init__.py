@@ -14,6 +14,7 @@ from rlbench.agents import tool  # noqa: E402
 from rlbench.batch import Batch  # noqa: E402
 from rlbench.cluster import Ray  # noqa: E402
 from rlbench.config import Config  # noqa: E402
+from rlbench.lora import LoRA  # noqa: E402
 from rlbench.session import Session  # noqa: E402
 
 # torch._dynamo, imported with transformers' model classes, writes TORCHINDUCTOR_CACHE_DIR into the environment
@@ -23,7 +24,7 @@ for _name in set(os.environ) - set(_environment):
 os.environ.update(_environment)
 del _environment
 
-__all__ = ["Batch", "Config", "Ray", "Session", "agents", "algorithms", "interrupts", "models", "rewards", "samplers", "tasks", "tool", "viz", "workers"]
+__all__ = ["Batch", "Config", "LoRA", "Ray", "Session", "agents", "algorithms", "interrupts", "models", "rewards", "samplers", "tasks", "tool", "viz", "workers"]
 __version__ = "0.1.0"
 
 

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rlbench.lora import LoRA
+
 
 @dataclass
 class Config:
@@ -112,6 +114,11 @@ class Config:
     """Recompute each transformer block's activations in the policy's backward instead of keeping them:
     activation memory of one block instead of all, for about a third more update compute. The same
     gradients."""
+    lora: Any = None
+    """LoRA adapters on the policy (`rl.LoRA(rank=16, alpha=32, target_modules="all-linear")`, or a recipe's `[lora]`
+    table of the same keys; None: every weight trains). Only the adapter trains and sits in the optimizer; the
+    reference policy is the policy with the adapter off; weight syncs and checkpoints carry the adapter alone;
+    `export()` writes the merged model or, with `adapter=True`, the adapter in peft's format (`rlbench/lora.py`)."""
     on_policy_old_logp: bool = False
     """Skip the separate `old_logp` forward of `advantage()`: the update uses its own detached log-probs as
     `old_logp` (the same numbers, since the weights that update are the ones that sampled: ratio exactly 1)
@@ -241,6 +248,9 @@ class Config:
         _choice("long_prompts", self.long_prompts, ["error", "drop"])
         _choice("on_reward_error", self.on_reward_error, ["raise", "zero"])
         _choice("rollout_mode", self.rollout_mode, ["sync", "overlap", "async"])
+        if not (self.lora is None or isinstance(self.lora, LoRA)):
+            raise ValueError(f"lora={self.lora!r} is not rl.LoRA(...) or None (a table of its fields becomes one "
+                             f"through rl.Session / make_config)")
         from rlbench.algorithms import RolloutCorrection, names  # the registry: names registered by the user too
 
         valid = ["auto", "none", *names("correction")]
@@ -296,6 +306,8 @@ class Config:
         def plain(value):
             if value is None or isinstance(value, (bool, int, float, str)):
                 return value
+            if isinstance(value, LoRA):
+                return value.to_dict()
             if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
                 return list(value)
             return {"python_object": repr(value)}
@@ -369,6 +381,8 @@ def make_config(**kwargs) -> Config:
         paths["rollout_mode"] = "overlap"
     if kwargs.get("rollout_mode") == "overlap":
         paths["overlap_rollout"] = True
+    if kwargs.get("lora") is not None:  # a recipe's [lora] table, or a checkpoint's record of it
+        paths["lora"] = LoRA.of(kwargs["lora"])
     return Config(**kwargs | paths).check()
 
 
