@@ -88,12 +88,22 @@ class LoRA:
                           bias="none", task_type="CAUSAL_LM")
 
 
-def wrap(model: torch.nn.Module, lora: LoRA) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, lora: LoRA, seed: int) -> torch.nn.Module:
     """`model` with adapters added in place (a peft model around it): the base weights frozen, the adapters trainable,
-    initialised as peft does (A random, B zero: the wrapped model computes exactly the base's outputs)."""
+    initialised as peft does, A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a = sqrt(5)) and B = 0, so the
+    wrapped model computes exactly the base's outputs. A is drawn from `seed` (peft draws from torch's global
+    generator, which is put back as it was: building a policy draws nothing from it)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora.peft_config())
+    with torch.random.fork_rng(devices=[]):
+        model = get_peft_model(model, lora.peft_config())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name:
+                bound = p.shape[1] ** -0.5
+                p.copy_(torch.rand(p.shape, generator=generator, dtype=p.dtype) * (2 * bound) - bound)
+    return model
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

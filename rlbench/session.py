@@ -397,12 +397,14 @@ class Session:
             raise ValueError("no place for checkpoints: pass save(path), or set save_dir (or log_dir)")
         return Path(cfg.save_dir) if cfg.save_dir is not None else Path(cfg.log_dir) / self.state.run_name / "checkpoints"
 
-    def export(self, path: str | os.PathLike) -> Path:
+    def export(self, path: str | os.PathLike, *, adapter: bool = False) -> Path:
         """The policy's current weights as a Hugging Face model folder (config, safetensors, tokenizer),
-        loadable by `AutoModelForCausalLM.from_pretrained`, vLLM, and `rl.Session(model=path)`."""
+        loadable by `AutoModelForCausalLM.from_pretrained`, vLLM, and `rl.Session(model=path)`; under LoRA the
+        adapter merged into the base. `adapter=True` (LoRA only): the adapter alone, as a peft folder
+        (`peft.PeftModel.from_pretrained(base, path)`, vLLM's `LoRARequest`)."""
         path = Path(path).resolve()
         path.mkdir(parents=True, exist_ok=True)
-        self.policy.export(str(path))
+        self.policy.export(str(path), adapter)
         self.tokenizer.save_pretrained(path)
         return path
 

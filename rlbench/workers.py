@@ -95,9 +95,10 @@ class PolicyHandle:
     def load_checkpoint(self, path: str) -> None:
         self.workers.call("policy", Policy.load_checkpoint, path)
 
-    def export(self, path: str) -> None:
-        """The current weights as a Hugging Face model folder (written by rank 0)."""
-        self.workers.call("policy", Policy.export, path)
+    def export(self, path: str, adapter: bool = False) -> None:
+        """The current weights as a Hugging Face model folder (written by rank 0); under LoRA merged into the
+        base, or with `adapter=True` the adapter alone as a peft folder."""
+        self.workers.call("policy", Policy.export, path, adapter)
 
     def set_before_backward(self, fn: Callable[[], None] | None) -> None:
         """Inline only: call `fn` before each backward pass (the overlapped rollout starts there)."""
@@ -105,10 +106,12 @@ class PolicyHandle:
 
 
 class ReferenceHandle:
-    """The frozen reference policy's ranks."""
+    """The frozen reference policy's ranks: a `Reference` model of its own, or under LoRA the policy's ranks
+    with the adapter off (`Policy.reference_log_probs`; nothing of its own for a checkpoint to keep)."""
 
-    def __init__(self, workers: WorkerGroup):
-        self.workers = workers
+    def __init__(self, workers: WorkerGroup, name: str = "reference", method: Callable = Reference.log_probs):
+        self.workers, self.name, self.method = workers, name, method
+        self.own_weights = name == "reference"
 
     def log_probs(self, batch: Batch) -> torch.Tensor:
         """Reference log-probs `[B, T]` of the batch's responses (rows split across ranks)."""
@@ -116,7 +119,7 @@ class ReferenceHandle:
 
     def log_probs_async(self, batch: Batch) -> Pending:
         """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`)."""
-        return self.workers.map_rows("reference", Reference.log_probs, batch)
+        return self.workers.map_rows(self.name, self.method, batch)
 
     def save_checkpoint(self, path: str) -> None:
         self.workers.call("reference", Reference.save_checkpoint, path)
@@ -300,7 +303,8 @@ class Workers:
 
     def trained(self) -> dict[str, PolicyHandle | ReferenceHandle | CriticHandle]:
         """The models a checkpoint keeps, by folder name."""
-        parts = {"policy": self.policy, "reference": self.reference, "critic": self.critic}
+        reference = self.reference if self.reference is not None and self.reference.own_weights else None
+        parts = {"policy": self.policy, "reference": reference, "critic": self.critic}
         return {name: handle for name, handle in parts.items() if handle is not None}
 
 
@@ -352,11 +356,15 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
 
     policy = group("policy", cfg.world_size)
     policy.build("policy", Policy, ranks(policy, optim=optim, temperature=cfg.temperature, precision=cfg.precision,
-                                         activation_checkpointing=cfg.activation_checkpointing))
+                                         activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora,
+                                         seed=cfg.seed))
     reference = critic = None
-    if algorithm.needs_reference:
-        reference = group("reference", cfg.world_size) if separate else policy
-        reference.build("reference", Reference, ranks(reference, temperature=cfg.temperature))
+    if algorithm.needs_reference and cfg.lora is not None:  # the policy with its adapter off: no second copy
+        reference = ReferenceHandle(policy, "policy", Policy.reference_log_probs)
+    elif algorithm.needs_reference:
+        workers = group("reference", cfg.world_size) if separate else policy
+        workers.build("reference", Reference, ranks(workers, temperature=cfg.temperature))
+        reference = ReferenceHandle(workers)
     if algorithm.needs_critic:
         critic = group("critic", cfg.world_size) if separate else policy
         critic.build("critic", Critic, ranks(critic, seed=cfg.seed, optim=dataclasses.replace(
@@ -394,7 +402,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
                                                    workers=cfg.reward_workers, processes=cfg.reward_processes)])
         scorer = ScorerHandle(rewards)
     return Workers(policy=PolicyHandle(policy, algorithm, cfg.max_new_tokens), sampler=sampler,
-                   scorer=scorer, episodes=episodes, reference=reference and ReferenceHandle(reference),
+                   scorer=scorer, episodes=episodes, reference=reference,
                    critic=critic and CriticHandle(critic, algorithm, cfg.max_new_tokens),
                    groups=groups, on_ray=ray is not None, rollout=rollout, restart_rollout=restart_rollout)
 
@@ -459,5 +467,5 @@ def _sampler_factory(cfg: Config, model_dir: str, device: str):
         return VLLMSampler.from_pretrained, dict(model_dir=model_dir, **settings), f"vllm: {why}"
     reason = ("asked for" if cfg.sampler == "hf" else why if not usable
               else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")
-    return (HFSampler.from_pretrained, dict(model_dir=model_dir, device=device, precision=cfg.precision),
+    return (HFSampler.from_pretrained, dict(model_dir=model_dir, device=device, precision=cfg.precision, lora=cfg.lora),
             f"hf: {reason}")

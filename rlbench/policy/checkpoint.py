@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from transformers import AutoModelForCausalLM
 
@@ -33,16 +33,17 @@ class CheckpointError(RuntimeError):
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer | None = None, *,
-         rank: int = 0) -> None:
+         rank: int = 0, frozen: bool = True) -> None:
     """Write `model`'s (and `optimizer`'s) state under `path`; every rank of the model's group calls it,
-    passing its `rank` (one rank alone has no process group).
+    passing its `rank` (one rank alone has no process group). Without `frozen`, the weights that train only
+    (a LoRA model's adapter: its base is the model directory's).
 
     An optimizer that has not stepped yet has no state to save (and asking torch for it would create
     some by a zero step, changing the run): then only its scheduler is kept. OSError (ENOSPC) before
     writing when the disk has less free than the state's size; CheckpointError when writing fails.
     """
     path = Path(path)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=not frozen))}
     if optimizer is not None and optimizer.adamw.state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer.adamw)
     _check_space(path, _nbytes(state), rank)
@@ -55,17 +56,18 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer |
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer | None = None, *,
-         rank: int = 0) -> None:
+         rank: int = 0, frozen: bool = True) -> None:
     """Load what `save` wrote under `path` into `model` (and `optimizer`), resharded to this world size;
-    CheckpointError when the folder cannot be read."""
+    CheckpointError when the folder cannot be read. `frozen` as in `save`."""
     path = Path(path)
-    state = {"model": get_model_state_dict(model)}
+    options = StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
+    state = {"model": get_model_state_dict(model, options=options)}
     with _torch_io("read", path):
         local = torch.load(path / f"rank{_saved_rank(path, rank)}.pt", weights_only=True)
         if optimizer is not None and local["has_optimizer_state"]:
             state["optimizer"] = get_optimizer_state_dict(model, optimizer.adamw)
         dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=options)
     if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer.adamw, state["optimizer"])
     if optimizer is not None:
@@ -73,10 +75,12 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer |
         optimizer.apply_settings()  # the settings it was built with win over the saved ones (restore overrides)
 
 
-def export(path: str | os.PathLike, model: torch.nn.Module, *, rank: int = 0, world_size: int = 1) -> None:
-    """Write `model`'s full weights as a Hugging Face model folder (config and safetensors) on rank 0;
-    every rank calls it. The folder loads with `AutoModelForCausalLM.from_pretrained` and with vLLM."""
-    state = full_state_dict(model, rank, world_size)
+def export(path: str | os.PathLike, model: torch.nn.Module, *, rank: int = 0, world_size: int = 1,
+           state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write `model`'s full weights (or the gathered `state` given, in the model's names) as a Hugging Face
+    model folder (config and safetensors) on rank 0; every rank calls it. The folder loads with
+    `AutoModelForCausalLM.from_pretrained` and with vLLM."""
+    state = full_state_dict(model, rank, world_size) if state is None else state
     if state is None:
         return
     with torch.device("meta"):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from rlbench import algorithms as alg
+from rlbench import lora as lora_adapters
 from rlbench import models
 from rlbench.batch import Batch
 from rlbench.policy import checkpoint
@@ -43,13 +44,16 @@ class Policy:
     def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, temperature: float = 1.0, micro_batch_tokens: int = 4096,
                  device: str = "cpu", precision: str = "fp32", attention: str = "auto",
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, lora: lora_adapters.LoRA | None = None, seed: int = 0):
         init_process_group(rank, world_size, init_method, device)
         self.rank, self.world_size = rank, world_size
         self.temperature, self.micro_batch_tokens, self.device = temperature, micro_batch_tokens, device
         self.precision, self.attention = precision, attention
+        self.model_dir, self.lora = model_dir, lora
         model = models.from_pretrained(AutoModelForCausalLM, model_dir)
         use_precision(model, precision, device)
+        if lora is not None:  # the base frozen, only the adapter trains (and sits in the optimizer)
+            model = lora_adapters.wrap(model, lora, seed)
         if activation_checkpointing:
             checkpoint_blocks(model)
         self.model = shard(model, world_size, device).eval()  # dropout off: see `Policy`
@@ -67,6 +71,12 @@ class Policy:
         with autocast(self.precision, self.device):
             return batch_logp(self.model, batch, temperature=self.temperature, micro_batch_tokens=self.micro_batch_tokens,
                               world_size=self.world_size, device=self.device, attention=self.attention)
+
+    def reference_log_probs(self, batch: Batch) -> torch.Tensor:
+        """Under LoRA, the reference policy's log-probs `[B, T]`: this model with its adapter off, which is
+        the model as loaded (no second copy of the weights)."""
+        with self.model.disable_adapter():
+            return self.log_probs(batch)
 
     def forward_backward(self, batch: Batch, algorithm: alg.Algorithm, *, num_tokens: int, num_seqs: int,
                          norm_length: int) -> dict[str, float]:
@@ -133,20 +143,34 @@ class Policy:
         return metrics | mismatch | {"loss": loss}
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full, unsharded weights on CPU on rank 0 (every rank takes part; the others get None)."""
-        return full_state_dict(self.model, self.rank, self.world_size)
+        """What the sampler needs, unsharded on CPU on rank 0 (every rank takes part; the others get None):
+        the full weights, or under LoRA the adapter alone (by peft's names; see `rlbench.lora`)."""
+        return full_state_dict(self.model, self.rank, self.world_size, frozen=self.lora is None)
 
     def save_checkpoint(self, path: str) -> None:
-        """Write this rank's shards of the weights and optimizer state, its scheduler and RNG under `path`."""
-        checkpoint.save(path, self.model, self.optimizer, rank=self.rank)
+        """Write this rank's shards of the trained weights (under LoRA: the adapter) and their optimizer state,
+        and its scheduler, under `path`."""
+        checkpoint.save(path, self.model, self.optimizer, rank=self.rank, frozen=self.lora is None)
 
     def load_checkpoint(self, path: str) -> None:
         """Load a `save_checkpoint` folder (written by any number of ranks)."""
-        checkpoint.load(path, self.model, self.optimizer, rank=self.rank)
+        checkpoint.load(path, self.model, self.optimizer, rank=self.rank, frozen=self.lora is None)
 
-    def export(self, path: str) -> None:
-        """The current weights as a Hugging Face model folder at `path` (written by rank 0)."""
-        checkpoint.export(path, self.model, rank=self.rank, world_size=self.world_size)
+    def export(self, path: str, adapter: bool = False) -> None:
+        """The current weights as a Hugging Face model folder at `path` (written by rank 0); under LoRA the
+        adapter merged into the base, or with `adapter=True` the adapter alone as a peft folder."""
+        if self.lora is None:
+            if adapter:
+                raise ValueError("export(adapter=True) needs a LoRA session (lora=rl.LoRA(...)); this one trains every weight")
+            checkpoint.export(path, self.model, rank=self.rank, world_size=self.world_size)
+            return
+        state = full_state_dict(self.model, self.rank, self.world_size, frozen=not adapter)
+        if state is None:
+            return
+        if adapter:
+            lora_adapters.save_adapter(path, state, self.lora, base_model=self.model_dir)
+        else:
+            checkpoint.export(path, self.model.get_base_model(), state=lora_adapters.merged_state(state, self.lora))
 
     def state_arrays(self) -> dict[str, "numpy.ndarray"] | None:  # noqa: F821
         """`state_dict()` as numpy arrays (views, no copy): what crosses Ray's object store zero-copy."""

@@ -32,8 +32,9 @@ class Optimizer:
 
     def __init__(self, model: torch.nn.Module, settings: OptimSettings):
         self.model, self.settings = model, settings
+        self.parameters = [p for p in model.parameters() if p.requires_grad]  # under LoRA: the adapter's
         # fused: one kernel over all parameters (the default loops over them: ~10x slower on a small model)
-        self.adamw = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=tuple(settings.betas),
+        self.adamw = torch.optim.AdamW(self.parameters, lr=settings.lr, betas=tuple(settings.betas),
                                        weight_decay=settings.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.adamw, lr_lambda(settings.lr_schedule, settings.lr_warmup_steps, settings.lr_decay_steps))
@@ -58,7 +59,7 @@ class Optimizer:
         """Clip, step and advance the schedule. A non-finite gradient norm, or `finite_loss=False`, skips
         the step and leaves weights and optimizer state as they were (recorded in the returned metrics)."""
         max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         finite_grad = math.isfinite(grad_norm)
         if finite_grad and finite_loss:
@@ -137,12 +138,17 @@ def backward(loss: torch.Tensor, world_size: int) -> None:
     (loss * world_size).backward()
 
 
-def full_state_dict(model: torch.nn.Module, rank: int, world_size: int) -> dict[str, torch.Tensor] | None:
-    """The unsharded weights on CPU, on rank 0 (every rank takes part; the others get None). At world size
-    1 (an unsharded model, see `shard`) these are the live parameters on CPU, not copies: readers copy."""
+def full_state_dict(model: torch.nn.Module, rank: int, world_size: int,
+                    frozen: bool = True) -> dict[str, torch.Tensor] | None:
+    """The unsharded weights on CPU, on rank 0 (every rank takes part; the others get None); without the
+    `frozen` ones (requires_grad off: a LoRA model's base), only the trained ones. At world size 1 (an unsharded
+    model, see `shard`) these are the live parameters on CPU, not copies: readers copy."""
     if world_size == 1:  # the state-dict API's traversal is most of a tiny model's sync time
+        if not frozen:
+            return {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
         return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=not frozen))
     return state if rank == 0 else None
 
 

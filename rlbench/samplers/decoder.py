@@ -6,7 +6,8 @@ in RMSNorm, the model's own rotary tables) with fused q/k/v and gate/up projecti
 one row per distinct context (see `keep`), an additive padding mask, and attention as plain matrix
 products (on a CPU, `scaled_dot_product_attention` costs several times the arithmetic of a one-token
 query), so a step is a few dozen tensor ops. The layer weights are transposed copies of the
-transformers model's (the embedding and LM head are shared), re-read after every weight load (`refresh`).
+transformers model's (the embedding and LM head are shared), re-read after every weight load (`refresh`); a
+LoRA adapter is merged into those copies (`deltas`), so it costs nothing per token and the base stays untouched.
 A prefill can start from K/V an earlier call kept (`contexts`, then `start`'s `cached_N`): an episode's next turn
 computes only its new tokens.
 """
@@ -39,6 +40,9 @@ class CompactDecoder:
         self.cos_sin_L_2_D = torch.empty(0)  # [positions, 2, D]: built by `start`
         # dynamic RoPE scaling rescales the tables by sequence length: rebuilt every call then
         self.dynamic_rope = "dynamic" in getattr(model.model.rotary_emb, "rope_type", "default")
+        self.deltas: dict[str, torch.Tensor] = {}
+        """{module path: a change to its weight `[out, in]`} applied to the fused copies (a LoRA adapter's
+        s · B A, see `HFSampler.load_weights`); the model's own weights stay as they are."""
         self.refresh()
 
     def refresh(self) -> None:
@@ -48,27 +52,44 @@ class CompactDecoder:
 
     @torch.no_grad()
     def _read_weights(self) -> None:
-        """Fuse and transpose the model's current weights."""
+        """Fuse and transpose the model's current weights, each plus its `deltas` entry if any."""
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.final_norm = (inner.norm.weight, inner.norm.variance_epsilon)
         self.lm_head = self.model.lm_head.weight
         self.layers = []
-        for layer in inner.layers:
+        for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
+
+            def weight(block: str, name: str) -> torch.Tensor:
+                module = getattr(attn if block == "self_attn" else mlp, name)
+                delta = self.deltas.get(f"model.layers.{i}.{block}.{name}")
+                return module.weight if delta is None else module.weight + delta
+
             qkv_bias = None
             if attn.q_proj.bias is not None:
                 qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
             self.layers.append(dict(
                 in_norm=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t().contiguous(),
+                qkv=torch.cat([weight("self_attn", n) for n in ("q_proj", "k_proj", "v_proj")]).t().contiguous(),
                 qkv_bias=qkv_bias,
                 qk_norm=_qk_norm(attn, self.heads, self.kv_heads),
-                o=attn.o_proj.weight.t().contiguous(), o_bias=attn.o_proj.bias,
+                o=weight("self_attn", "o_proj").t().contiguous(), o_bias=attn.o_proj.bias,
                 post_norm=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous(),
-                down=mlp.down_proj.weight.t().contiguous(),
+                gate_up=torch.cat([weight("mlp", n) for n in ("gate_proj", "up_proj")]).t().contiguous(),
+                down=weight("mlp", "down_proj").t().contiguous(),
             ))
+
+    def adaptable(self) -> dict[str, torch.Size]:
+        """{module path: weight shape} of the linear layers a `deltas` entry may change (a block's q, k, v, o,
+        gate, up and down projections)."""
+        shapes = {}
+        for i, layer in enumerate(self.model.model.layers):
+            for block, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                 ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+                for name in names:
+                    shapes[f"model.layers.{i}.{block}.{name}"] = getattr(getattr(layer, block), name).weight.shape
+        return shapes
 
     @torch.no_grad()
     def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int,

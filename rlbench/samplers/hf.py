@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from rlbench import models
 from rlbench.algorithms import token_logp
 from rlbench.batch import Batch, left_pad
+from rlbench.lora import LoRA, module_deltas
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
 from rlbench.samplers.base import SamplingParams, as_tensors
@@ -35,20 +36,29 @@ class HFSampler:
     """
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
-                 stop_token_ids: Sequence[int] = ()):
+                 stop_token_ids: Sequence[int] = (), lora: LoRA | None = None):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.stop_token_ids = torch.tensor(sorted({eos_token_id, *stop_token_ids}), dtype=torch.long)
         self.decoder = CompactDecoder(model) if decoder.supports(model) else TransformersDecoder(model)
+        if lora is not None and not isinstance(self.decoder, CompactDecoder):
+            raise ValueError(f"LoRA on the hf sampler needs a model of type {', '.join(decoder.SUPPORTED_MODEL_TYPES)} "
+                             f"(its adapter is merged into the compact decoder's weights), not {model.config.model_type!r}")
+        self.lora = lora
+        self.adapter: dict[str, torch.Tensor] = {}
+        """Under LoRA, the adapter it samples with (by the policy's names; empty: the base model, as B = 0 starts)."""
         self.kept = KVStore()
         """K/V of the contexts that ended with a stop token in calls with `keep_cache` (compact decoder only)."""
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, device: str = "cpu", precision: str = "fp32") -> HFSampler:
+    def from_pretrained(cls, model_dir: str, device: str = "cpu", precision: str = "fp32",
+                        lora: LoRA | None = None) -> HFSampler:
         """A sampler over its own copy of a local model directory's weights, on `device`, in fp32 or (for
-        precision "bf16") bfloat16; `load_weights` casts what it loads to that type."""
+        precision "bf16") bfloat16; `load_weights` casts what it loads to that type. With `lora`, the weights
+        it loads are that adapter's (see `load_weights`)."""
         model, tokenizer = models.load(model_dir, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
-        return cls(model.to(device), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        return cls(model.to(device), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                   lora=lora)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
                  interrupt: threading.Event | None = None) -> Batch:
@@ -132,14 +142,18 @@ class HFSampler:
         })
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights it samples with (behind the policy's after `update(sync=False)`; checkpoints keep them)."""
-        return self.model.state_dict()
+        """The weights it samples with (behind the policy's after `update(sync=False)`; checkpoints keep them):
+        under LoRA, the adapter."""
+        return dict(self.adapter) if self.lora is not None else self.model.state_dict()
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
         """Copy a full state dict (tensors, or numpy arrays such as read-only views from Ray's object store),
         cast to the sampler's dtype, tensor by tensor into the model's own (`load_state_dict` walks the
-        modules: a fifth of a tiny model's sync)."""
+        modules: a fifth of a tiny model's sync). Under LoRA, the adapter's tensors instead (the policy's
+        `state_dict()`): the base weights stay, the decoder merges s · B A into its fused copies of them."""
+        if self.lora is not None:
+            return self._load_adapter(as_tensors(state_dict))
         state, own = as_tensors(state_dict), self.model.state_dict()  # own: views of the model's tensors
         tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
         missing, unexpected = sorted(own.keys() - state.keys() - tied), sorted(state.keys() - own.keys())
@@ -153,6 +167,25 @@ class HFSampler:
             own[name].copy_(tensor)
         self.decoder.refresh()
         self.kept.clear()  # K/V of the old weights
+
+    def _load_adapter(self, adapter: dict[str, torch.Tensor]) -> None:
+        """Take a LoRA adapter (ValueError naming what does not fit: a layer the decoder has no such weight for,
+        a shape, a different set of tensors than the first load's)."""
+        if self.adapter and adapter.keys() != self.adapter.keys():
+            changed = sorted(adapter.keys() ^ self.adapter.keys())
+            raise ValueError(f"adapter does not fit the sampler's: these tensors are in only one of them: {changed[:6]}")
+        deltas, shapes = module_deltas(adapter, self.lora), self.decoder.adaptable()
+        for module, delta in deltas.items():
+            if module not in shapes:
+                raise ValueError(f"the hf sampler applies LoRA to a block's linear layers only (q, k, v, o, gate, up, "
+                                 f"down projections), not to {module!r}")
+            if delta.shape != shapes[module]:
+                raise ValueError(f"adapter does not fit the sampler's model: {module} changes a weight of shape "
+                                 f"{tuple(delta.shape)}, not {tuple(shapes[module])}")
+        self.adapter = {name: tensor.clone() for name, tensor in adapter.items()}  # the policy's may be live
+        self.decoder.deltas = {module: delta.to(self.model.dtype).to(self.model.device) for module, delta in deltas.items()}
+        self.decoder.refresh()
+        self.kept.clear()
 
 
 class TransformersDecoder:
