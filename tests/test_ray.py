@@ -229,3 +229,27 @@ def test_a_rollout_worker_killed_mid_generation_is_replaced_and_no_group_is_lost
     assert new != killed and metrics["restarts"].sum() == 1
     assert tickets == list(range(40))
     assert (metrics["staleness_max"] <= 1).all()
+
+
+def test_lora_with_activation_checkpointing_on_two_ranks_matches_inline(tiny_dir, tmp_path):
+    """FSDP2 shards the base and the adapter; only the adapter is gathered for the sampler and kept in checkpoints
+    (which a different world size loads); the reference is the policy with its adapter off on both ranks."""
+    lora = dict(CONFIG, lr=1e-3, lora=rl.LoRA(rank=8, alpha=16), activation_checkpointing=True)
+    with rl.Session(**lora, cluster="inline", threads=1) as inline:
+        expected = inline.run(2, progress=False)
+        expected_adapter = inline.policy.state_dict()
+    with rl.Session(**lora, cluster="ray", world_size=2) as s:
+        metrics = s.run(2, progress=False)
+        adapter = s.policy.state_dict()
+        assert [g.name for g in s.workers.groups if g.name == "reference"] == []
+        folder = s.save(tmp_path)
+    assert adapter.keys() == expected_adapter.keys() and all("lora_" in name for name in adapter)
+    for column in ["loss", "kl_loss", "reward_mean", "grad_norm"]:
+        torch.testing.assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
+                                   atol=1e-4, rtol=0, msg=column)
+    for name, value in expected_adapter.items():
+        torch.testing.assert_close(adapter[name], value, atol=1e-4, rtol=0, msg=name)
+    assert metrics["sampler_mismatch_max"].max() < 1e-4
+    with rl.Session.restore(folder, cluster="inline", world_size=1, threads=1) as restored:
+        for name, value in restored.policy.state_dict().items():
+            assert torch.equal(value, adapter[name]), name

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from transformers import AutoModelForCausalLM
 
 from rlbench import models
-from rlbench.policy.training import Optimizer, full_state_dict
+from rlbench.policy.training import Optimizer, full_state_dict, trained_only
 
 
 class CheckpointError(RuntimeError):
@@ -43,7 +43,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer |
     writing when the disk has less free than the state's size; CheckpointError when writing fails.
     """
     path = Path(path)
-    state = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=not frozen))}
+    model_state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=not frozen))
+    state = {"model": model_state if frozen else trained_only(model, model_state)}
     if optimizer is not None and optimizer.adamw.state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer.adamw)
     _check_space(path, _nbytes(state), rank)
@@ -61,7 +62,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer |
     CheckpointError when the folder cannot be read. `frozen` as in `save`."""
     path = Path(path)
     options = StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
-    state = {"model": get_model_state_dict(model, options=options)}
+    model_state = get_model_state_dict(model, options=options)
+    state = {"model": model_state if frozen else trained_only(model, model_state)}
     with _torch_io("read", path):
         local = torch.load(path / f"rank{_saved_rank(path, rank)}.pt", weights_only=True)
         if optimizer is not None and local["has_optimizer_state"]:

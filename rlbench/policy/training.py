@@ -149,7 +149,14 @@ def full_state_dict(model: torch.nn.Module, rank: int, world_size: int,
         return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                  ignore_frozen_params=not frozen))
-    return state if rank == 0 else None
+    return None if rank else state if frozen else trained_only(model, state)
+
+
+def trained_only(model: torch.nn.Module, state: dict) -> dict:
+    """The entries of a state dict of `model` that train (requires_grad). torch's `ignore_frozen_params` keeps a
+    frozen weight tied to another name (a tied LM head) under that name."""
+    trained = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {name: value for name, value in state.items() if name in trained}
 
 
 def init_process_group(rank: int, world_size: int, init_method: str | None = None, device: str = "cpu") -> None:
