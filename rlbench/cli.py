@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from rlbench import recipes
+from rlbench.lora import LoRA
 
 LEADERBOARD_SPEC = "algorithms/leaderboard.toml"
 QUICK_BENCHMARKS = ("sampler", "step")
@@ -85,7 +86,8 @@ def run(args) -> int:
     recipe = recipes.load(args.recipe, args.overrides)
     print(f"{recipe.path}: {recipe.description} [{recipe.hardware}]")
     if args.dry_run:
-        print(json.dumps({"steps": recipe.steps, "session": recipe.config().to_dict()}, default=str))
+        print(json.dumps({"steps": recipe.steps, "session": recipe.config().to_dict()},
+                         default=lambda value: value.to_dict() if isinstance(value, LoRA) else str(value)))
         return 0
     print(json.dumps(train_and_evaluate(recipe)))
     return 0

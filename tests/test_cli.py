@@ -127,3 +127,12 @@ def test_bench_runs_scripts_and_names_a_missing_one(tmp_path):
     assert result.returncode == 0 and '{"bench": "hello"}' in result.stdout
     result = rlbench("bench", "nope", "--dir", str(tmp_path))
     assert result.returncode == 2 and "names: no benchmark" in result.stderr and "accepted: hello" in result.stderr
+
+
+def test_dry_run_of_the_lora_gsm8k_recipe_shows_its_adapter():
+    result = rlbench("run", str(REPO / "algorithms" / "grpo" / "gsm8k-qwen2.5-0.5b-lora.toml"), "--dry-run",
+                     "session.lora.rank=16")
+    assert result.returncode == 0, result.stderr
+    settings = last_json(result.stdout)
+    assert settings["steps"] == 1752 and settings["session"]["prompts_per_step"] == 64
+    assert settings["session"]["lora"] == {"rank": 16, "alpha": 32, "target_modules": "all-linear", "dropout": 0.0}

@@ -232,14 +232,14 @@ def test_merged_state_is_the_base_plus_the_scaled_product():
 
 @pytest.mark.slow
 def test_lora_grpo_learns_arithmetic():
-    """The quickstart's setting with a rank-16 adapter at 10x the full-weight learning rate (lr 1e-3; measured:
-    greedy held-out accuracy 0.315 -> 0.445 after 100 steps; 3e-3 collapses to 0)."""
+    """The quickstart's setting with a rank-16 adapter at 5x the full-weight learning rate (measured at 100 steps,
+    greedy held-out accuracy from 0.315: lr 5e-4 0.575, 1e-3 0.445, 3e-3 collapses to 0)."""
     s = rl.Session(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", seed=0, log_dir=None,
-                   prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, lr=1e-3, threads=1,
+                   prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, lr=5e-4, threads=1,
                    lora=rl.LoRA(rank=16, alpha=32))
     before = s.evaluate()["greedy_accuracy"]
     metrics = s.run(steps=100, progress=False)
     after = s.evaluate()["greedy_accuracy"]
     s.close()
     assert metrics["reward_mean"][-25:].mean() > metrics["reward_mean"][:25].mean()
-    assert after > before + 0.08, (before, after)
+    assert after > before + 0.1, (before, after)

@@ -42,6 +42,19 @@ def test_gpu_recipes_follow_the_published_settings():
     assert dapo.target is None and dapo.config().algorithm == "dapo" and dapo.config().samples_per_prompt == 16
 
 
+def test_the_lora_gsm8k_recipe_is_the_published_lora_row():
+    recipe = recipes.load(ALGORITHMS / "grpo" / "gsm8k-qwen2.5-0.5b-lora.toml")
+    cfg, full = recipe.config(), recipes.load(GPU_RECIPES[0]).config()
+    assert cfg.lora == rl.LoRA(rank=32, alpha=32, target_modules="all-linear")  # "lorarank32" in the log's name
+    assert (cfg.prompts_per_step, cfg.max_prompt_tokens, cfg.max_new_tokens) == (64, 512, 1024)  # "bsz64", 512, 1024
+    assert recipe.target.value == 0.543 and "GRPO-LoRA 54.3" in recipe.target.source
+    assert recipe.steps == -(-15 * 7473 // 64)  # 15 epochs of GSM8K's 7473 training problems, 64 a step
+    for same in ("model", "task", "algorithm", "samples_per_prompt", "temperature", "device"):
+        assert getattr(cfg, same) == getattr(full, same), same
+    with pytest.raises(recipes.RecipeError, match="session.lora: lora: unknown key"):
+        recipes.load(ALGORITHMS / "grpo" / "gsm8k-qwen2.5-0.5b-lora.toml", ["session.lora.rnak=8"])
+
+
 def test_tool_math_recipe_follows_verl_tool_and_validates_without_its_files(tmp_path):
     recipe = recipes.load(GPU_RECIPES[3])  # the task's files and the weights are not here: nothing reads them
     cfg = recipe.config()
