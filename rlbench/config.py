@@ -52,7 +52,8 @@ class Config:
     world_size: int = 1
     """Number of FSDP2 ranks of the policy (more than 1 needs Ray)."""
     placement: str = "colocated"
-    """Reference and critic ranks: "colocated" in the policy's rank processes, or "separate" worker groups."""
+    """Reference and critic ranks: "colocated" in the policy's rank processes, or "separate" worker groups (under
+    LoRA the reference is always the policy's ranks with the adapter off)."""
     device: str = "auto"
     """"cpu" (gloo), "cuda" (NCCL; one GPU per policy rank and one for the sampler on Ray), or "auto"
     (cuda when available)."""

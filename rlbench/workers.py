@@ -311,7 +311,8 @@ class Workers:
 def start_workers(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer) -> Workers:
     """Build every worker of a session: in this process (`cluster="inline"`) or as Ray actors."""
     ray = cfg.cluster if isinstance(cfg.cluster, Ray) else Ray() if cfg.cluster == "ray" else None
-    separate = 1 + algorithm.needs_reference + algorithm.needs_critic if cfg.placement == "separate" else 1
+    own_reference = algorithm.needs_reference and cfg.lora is None  # under LoRA: the policy with its adapter off
+    separate = 1 + own_reference + algorithm.needs_critic if cfg.placement == "separate" else 1
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA GPU here: use device='cpu' or 'auto'")
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
