@@ -243,3 +243,15 @@ def test_lora_grpo_learns_arithmetic():
     s.close()
     assert metrics["reward_mean"][-25:].mean() > metrics["reward_mean"][:25].mean()
     assert after > before + 0.1, (before, after)
+
+
+def test_async_rollout_workers_take_the_adapter_mid_generation():
+    """rollout_mode="async" pushes the adapter to the rollout worker after every update; with max_staleness=0 each
+    batch is drawn by the weights it trains, so the sampler and the trainer agree as in a synchronous run."""
+    with rl.Session(**SMALL, lr=1e-3, rollout_mode="async", max_staleness=0, correction=None) as s:
+        metrics = s.run(3, progress=False)
+        adapter = s.policy.state_dict()
+        held = s.sampler.state_dict()
+    assert metrics["staleness_max"].max() == 0
+    assert metrics["sampler_mismatch_max"].max() < 1e-4
+    assert held.keys() == adapter.keys() and all(torch.equal(held[k], adapter[k]) for k in adapter)
