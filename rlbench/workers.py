@@ -464,7 +464,7 @@ def _sampler_factory(cfg: Config, model_dir: str, device: str):
         longest = cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_new_tokens
         settings = dict(kv_cache_bytes=cfg.vllm_kv_cache_bytes, max_model_len=cfg.vllm_max_model_len or longest,
                         enforce_eager=cfg.vllm_enforce_eager, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                        sleep_mode=cfg.vllm_sleep)
+                        sleep_mode=cfg.vllm_sleep, lora=cfg.lora)
         return VLLMSampler.from_pretrained, dict(model_dir=model_dir, **settings), f"vllm: {why}"
     reason = ("asked for" if cfg.sampler == "hf" else why if not usable
               else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")

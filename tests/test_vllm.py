@@ -6,6 +6,7 @@ One engine serves the whole module (a process holds one at a time; starting one 
 import copy
 import gc
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -212,6 +213,142 @@ def test_engine_leaves_the_process_as_it_found_it(tiny_dir, sampler, rows, tmp_p
     assert policy.optim_step()["skipped"] == 0.0
     policy.save_checkpoint(str(tmp_path / "policy"))
     assert (tmp_path / "policy" / "rank0.pt").is_file()
+
+
+LORA = rl.LoRA(rank=4, alpha=8)
+"""The adapter of the LoRA tests: rank 4, which vLLM runs under max_lora_rank 8."""
+
+
+@pytest.fixture(scope="module")
+def lora_sampler(tiny_dir):
+    """A LoRA engine (a new engine: the module's plain one closes; the tests below it need none)."""
+    s = VLLMSampler.from_pretrained(tiny_dir, lora=LORA)
+    yield s
+    s.close()
+
+
+def adapted(model, seed: int, scale: float = 0.2):
+    """`model` (a copy) with LORA's adapters, lora_B drawn at random (seeded): a policy some steps into training."""
+    peft_model = rl.lora.wrap(copy.deepcopy(model), LORA)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=generator))
+    return peft_model.eval()
+
+
+def merged_hf_sampler(model, tokenizer, peft_model) -> HFSampler:
+    """The HF sampler on a plain copy of `model` holding `peft_model`'s merged weights."""
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(rl.lora.merged_state(peft_model.state_dict(), LORA))
+    return HFSampler(plain, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def completions(out) -> list[list[int]]:
+    return [ids[:n] for ids, n in zip(out["response_ids"].tolist(), out["response_mask"].sum(-1).tolist())]
+
+
+def assert_same_rollouts(out, expected):
+    for column in ("response_ids", "response_mask", "finished"):
+        assert torch.equal(out[column], expected[column]), column
+    torch.testing.assert_close(out["sampler_logp"], expected["sampler_logp"], atol=LOGP_ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def arithmetic_rows(tiny):
+    _, tokenizer = tiny
+    return [tokenizer.encode(e["prompt"], add_special_tokens=False) for e in rl.tasks.get("arithmetic").test[:32]]
+
+
+def test_lora_ranks_are_those_vllm_takes():
+    assert [vllm_sampler._max_lora_rank(r) for r in (1, 4, 8, 16, 17, 512)] == [1, 8, 8, 16, 32, 512]
+    with pytest.raises(ValueError, match="up to 512"):
+        vllm_sampler._max_lora_rank(513)
+
+
+def test_an_adapter_samples_as_the_merged_policy(lora_sampler, tiny, arithmetic_rows):
+    """Before any adapter: the base model. After `load_weights(adapter)`: the peft model's greedy completions and
+    log-probs (the HF sampler on its merged weights), which differ from the base's."""
+    model, tokenizer = tiny
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    assert lora_sampler.llm.llm_engine.vllm_config.lora_config.max_lora_rank == 8
+    base = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    base_out = base.generate(arithmetic_rows, greedy)
+    assert_same_rollouts(lora_sampler.generate(arithmetic_rows, greedy), base_out)
+    peft_model = adapted(model, seed=0)
+    expected = merged_hf_sampler(model, tokenizer, peft_model).generate(arithmetic_rows, greedy)
+    changed = [a != b for a, b in zip(completions(expected), completions(base_out))]
+    assert sum(changed) > len(changed) / 2, changed
+    lora_sampler.load_weights(rl.lora.adapter_state(peft_model))
+    assert_same_rollouts(lora_sampler.generate(arithmetic_rows, greedy), expected)
+
+
+def test_an_adapters_logp_equals_the_peft_policys(lora_sampler, tiny, rows):
+    """Sampled at temperature 0.7: each token's log-prob is the peft model's own forward (the trainer's)."""
+    model, tokenizer = tiny
+    peft_model = adapted(model, seed=0)
+    lora_sampler.load_weights(rl.lora.adapter_state(peft_model))
+    params = SamplingParams(n=4, max_new_tokens=12, temperature=0.7, seed=1)
+    out = lora_sampler.generate(rows, params)
+    ids_B_P, mask_B_P = left_pad([r for r in rows for _ in range(params.n)], tokenizer.pad_token_id)
+    batch = out.with_columns(prompt_ids=ids_B_P, prompt_mask=mask_B_P)
+    recomputed = batch_logp(peft_model, batch, temperature=0.7, micro_batch_tokens=64)
+    torch.testing.assert_close(out["sampler_logp"], recomputed, atol=LOGP_ATOL, rtol=0)
+
+
+def test_a_new_adapter_replaces_the_old(lora_sampler, tiny, arithmetic_rows):
+    """The second adapter (as numpy arrays, as through Ray) is sampled, not the first; the engine and the disk
+    hold one adapter; `state_dict()` hands it back; closing removes its folder."""
+    model, tokenizer = tiny
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    first, second = adapted(model, seed=1), adapted(model, seed=2)
+    lora_sampler.load_weights(rl.lora.adapter_state(first))
+    expected_first = merged_hf_sampler(model, tokenizer, first).generate(arithmetic_rows, greedy)
+    assert_same_rollouts(lora_sampler.generate(arithmetic_rows, greedy), expected_first)
+    adapter = {name: tensor.numpy() for name, tensor in rl.lora.adapter_state(second).items()}
+    lora_sampler.load_weights(adapter)
+    expected = merged_hf_sampler(model, tokenizer, second).generate(arithmetic_rows, greedy)
+    changed = [a != b for a, b in zip(completions(expected), completions(expected_first))]
+    assert sum(changed) > len(changed) / 2, changed
+    assert_same_rollouts(lora_sampler.generate(arithmetic_rows, greedy), expected)
+    engine = lora_sampler.llm.llm_engine
+    assert engine.list_loras() == {lora_sampler._lora_request.lora_int_id}
+    folder = Path(lora_sampler._adapter_dir)
+    assert [p.name for p in folder.iterdir()] == [Path(lora_sampler._lora_request.lora_path).name]
+    held = lora_sampler.state_dict()
+    assert held.keys() == adapter.keys()
+    assert all(torch.equal(held[name], torch.from_numpy(adapter[name])) for name in adapter)
+    lora_sampler.close()
+    assert not folder.exists()
+
+
+def test_an_adapter_that_does_not_fit_is_refused(tiny_dir, tiny, rows):
+    """Wrong names or shapes: a ValueError naming them, and the sampler keeps the adapter it had."""
+    model, _ = tiny
+    sampler = VLLMSampler.from_pretrained(tiny_dir, lora=LORA)
+    try:
+        with pytest.raises(AttributeError, match="only under LoRA"):
+            sampler.state_dict()
+        adapter = rl.lora.adapter_state(adapted(model, seed=3))
+        sampler.load_weights(adapter)
+        greedy = SamplingParams(max_new_tokens=6, temperature=0)
+        before = sampler.generate(rows, greedy)
+        q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+        with pytest.raises(ValueError, match=r"unexpected \['model.norm.weight'\]"):
+            sampler.load_weights(adapter | {"model.norm.weight": torch.ones(8)})
+        with pytest.raises(ValueError, match=rf"missing \['{q_A}'\]"):
+            sampler.load_weights({k: v for k, v in adapter.items() if k != q_A})
+        with pytest.raises(ValueError, match=r"q_proj.lora_A.default.weight \(8, 192\) \(not \(4, 192\)\)"):
+            sampler.load_weights(adapter | {q_A: torch.zeros(8, 192)})
+        with pytest.raises(ValueError, match="missing"):
+            sampler.load_weights(model.state_dict())  # a full state dict under LoRA
+        assert torch.equal(sampler.generate(rows, greedy)["response_ids"], before["response_ids"])
+        assert len(list(Path(sampler._adapter_dir).iterdir())) == 1
+        with pytest.raises(ValueError, match="level 2 drops the base weights"):
+            sampler.sleep(level=2)
+    finally:
+        sampler.close()
 
 
 @pytest.mark.slow

@@ -15,6 +15,15 @@ theirs depends on it.
 Log-probs: each sampled token's log-prob under the temperature-scaled distribution, untruncated by top-k /
 top-p (greedy: at temperature 1), exactly what `HFSampler` reports and the policy recomputes; see
 `vllm_worker.TemperatureScaledLogprobs` for how vLLM is made to report it.
+
+LoRA (`lora=rl.LoRA(...)`): the engine keeps the base weights and applies an adapter per request, through vLLM's own
+LoRA support. `load_weights` takes the adapter alone (peft's live names, `rlbench.lora.adapter_state`), writes it as
+a peft folder (`rlbench.lora.save_adapter`) in a temporary directory the sampler owns, and has vLLM load it under a
+fresh id; every later `generate` names it (`LoRARequest`), the previous one is removed from the engine and the disk.
+vLLM 0.32 loads adapters from a folder only (`LoRARequest` carries a path; building its `LoRAModel` from tensors would
+mean calling its worker's private loader), so the adapter makes a round trip through the disk: a few ms for
+adapter-sized tensors (benchmarks/lora_sync.py). Before the first load it samples the base model, which is what a
+fresh adapter (B = 0) computes.
 """
 
 from __future__ import annotations
@@ -26,15 +35,18 @@ import importlib.util
 import json
 import os
 import random
+import shutil
+import tempfile
 import warnings
 import weakref
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, get_args
 
 import numpy as np
 import torch
 
 from rlbench.batch import Batch
+from rlbench.lora import LoRA, adapter_state, save_adapter, wrap
 from rlbench.samplers.base import SamplingParams, as_tensors
 
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -75,12 +87,13 @@ class VLLMSampler:
       graphs on GPU).
     - `dtype`: of the engine's weights; "float32" matches the policy's own forward.
     - `sleep_mode` (GPU): allow `sleep()` / `wake_up()`, so that a colocated policy gets the memory back.
+    - `lora`: the policy trains this LoRA adapter; `load_weights` then takes the adapter alone (module docstring).
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, eos_token_id: int, pad_token_id: int,
                  stop_token_ids: Sequence[int] = (), dtype: str = "float32", kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
-                 gpu_memory_utilization: float | None = None, sleep_mode: bool = False):
+                 gpu_memory_utilization: float | None = None, sleep_mode: bool = False, lora: LoRA | None = None):
         global _live, _cpu_packing_threads
         with _quiet_vllm():
             from vllm import LLM
@@ -99,6 +112,10 @@ class VLLMSampler:
         self.pad_token_id = pad_token_id
         self.stop_token_ids = sorted({eos_token_id, *stop_token_ids})
         self.weight_names = _checkpoint_names(Path(model_dir))
+        self.model_dir, self.lora = str(model_dir), lora
+        self.adapter_shapes = _adapter_shapes(Path(model_dir), lora) if lora is not None else None
+        """Name -> shape of every tensor `load_weights` takes under LoRA (peft's live names)."""
+        self._lora_request = None  # the adapter every request applies (None: the base model)
         limit = _max_positions(Path(model_dir))
         memory = (dict(kv_cache_memory_bytes=kv_cache_bytes or CPU_KV_CACHE_BYTES) if on_cpu else
                   dict(kv_cache_memory_bytes=kv_cache_bytes) if kv_cache_bytes else
@@ -112,8 +129,10 @@ class VLLMSampler:
                 use_tqdm_on_load=False,
                 enable_prefix_caching=True,  # an episode's next turn starts with its last context: its KV is reused
                 logprobs_mode="processed_logits", logits_processors=[TemperatureScaledLogprobs],
-                worker_extension_cls="rlbench.samplers.vllm_worker.WeightLoader")
-        self._finalizer = weakref.finalize(self, self.llm.llm_engine.engine_core.shutdown)
+                worker_extension_cls="rlbench.samplers.vllm_worker.WeightLoader",
+                **(dict(enable_lora=True, max_lora_rank=_max_lora_rank(lora.rank), max_loras=1) if lora else {}))
+        self._adapter_dir = tempfile.mkdtemp(prefix="rlbench-lora-") if lora is not None else None
+        self._finalizer = weakref.finalize(self, _shut_down, self.llm.llm_engine.engine_core, self._adapter_dir)
         _live = weakref.ref(self)
 
     @classmethod
@@ -143,7 +162,8 @@ class VLLMSampler:
         seeds = list(params.seeds) if params.seeds is not None else torch.randint(
             2**62, (len(prompt_ids),), generator=torch.Generator().manual_seed(params.seed)).tolist()
         outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids],
-                                    [request(seed) for seed in seeds], use_tqdm=False)
+                                    [request(seed) for seed in seeds], use_tqdm=False,
+                                    lora_request=self._lora_request)
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         return self._to_batch(completions, stops)
 
@@ -165,9 +185,12 @@ class VLLMSampler:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
         """Replace the engine's weights with a full state dict (tensors, or numpy arrays such as read-only
-        views from Ray's object store), in place: the engine keeps running, its prefix cache is emptied."""
+        views from Ray's object store), in place: the engine keeps running, its prefix cache is emptied.
+        Under LoRA: the adapter's tensors alone, by peft's live names (`rlbench.lora.adapter_state`)."""
         self._check_open()
         tensors = as_tensors(state_dict)
+        if self.lora is not None:
+            return self._load_adapter(tensors)
         if self.weight_names is not None:
             # a tied LM head is exported by the policy but not stored in the checkpoint
             unexpected = set(tensors) - self.weight_names - {"lm_head.weight"}
@@ -184,11 +207,54 @@ class VLLMSampler:
             self.asleep = False
         self.llm.reset_prefix_cache()
 
+    def _load_adapter(self, adapter: dict[str, torch.Tensor]) -> None:
+        """Write the adapter as a peft folder, load it into the engine under a fresh id, then drop the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        unexpected, missing = sorted(adapter.keys() - self.adapter_shapes.keys()), sorted(
+            self.adapter_shapes.keys() - adapter.keys())
+        wrong = sorted(f"{name} {tuple(adapter[name].shape)} (not {shape})"
+                       for name, shape in self.adapter_shapes.items()
+                       if name in adapter and tuple(adapter[name].shape) != shape)
+        if unexpected or missing or wrong:
+            raise ValueError(f"adapter does not fit the sampler's {self.lora}: missing {missing}, unexpected "
+                             f"{unexpected}, wrong shapes {wrong}")
+        self.wake_up()
+        previous = self._lora_request
+        version = previous.lora_int_id + 1 if previous else 1
+        path = Path(self._adapter_dir) / f"v{version}"
+        save_adapter(path, adapter, self.lora, base_model=self.model_dir)
+        request = LoRARequest(f"rlbench-v{version}", version, str(path))
+        try:
+            self.llm.llm_engine.add_lora(request)  # now rather than at the next request: a bad adapter fails here
+        except Exception:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        self._lora_request = request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()  # the old adapter's K/V (never hit again: the cache keys name the adapter)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Under LoRA, the adapter it samples with, by live name (read back from its folder); without LoRA, or
+        before the first adapter arrived, AttributeError: the engine's weights cannot be handed over."""
+        if self.lora is None or self._lora_request is None:
+            raise AttributeError("a VLLMSampler hands over its weights only under LoRA, once an adapter is loaded")
+        from safetensors.torch import load_file
+
+        stored = load_file(str(Path(self._lora_request.lora_path) / "adapter_model.safetensors"))
+        return {name.removesuffix(".weight") + ".default.weight": tensor for name, tensor in stored.items()}
+
     def sleep(self, level: int = 1) -> None:
         """GPU (built with `sleep_mode=True`): free the KV cache and move the weights to CPU memory (level 1)
         or drop them (level 2), so that a policy on the same GPU can use the memory. `generate` and
-        `load_weights` wake the engine. On CPU: nothing (vLLM has no sleep mode there)."""
+        `load_weights` wake the engine. On CPU: nothing (vLLM has no sleep mode there). Under LoRA, level 1 only:
+        an adapter sync does not bring dropped base weights back."""
         self._check_open()
+        if self.lora is not None and level != 1:
+            raise ValueError(f"sleep(level={level}) under LoRA: level 2 drops the base weights, which no adapter "
+                             f"sync sends again; use level 1")
         if self.device == "cuda" and not self.asleep:
             self.llm.sleep(level=level)
             self.asleep = True
@@ -214,6 +280,34 @@ class VLLMSampler:
         if self.llm is None:
             raise RuntimeError("this VLLMSampler is closed (a process holds one vLLM engine at a time: building "
                                "another VLLMSampler closes the previous one)")
+
+
+def _shut_down(engine_core, adapter_dir: str | None) -> None:
+    """A sampler's end: its engine, and the folder its adapters were written to."""
+    engine_core.shutdown()
+    if adapter_dir is not None:
+        shutil.rmtree(adapter_dir, ignore_errors=True)
+
+
+def _max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds a rank-`rank` adapter."""
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = [r for r in get_args(MaxLoRARanks) if r >= rank]
+    if not allowed:
+        raise ValueError(f"LoRA rank {rank}: vLLM takes ranks up to {max(get_args(MaxLoRARanks))}")
+    return min(allowed)
+
+
+def _adapter_shapes(model_dir: Path, lora: LoRA) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the adapter tensors the policy trains on this model (peft's live names), from the model
+    built on the meta device (no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = wrap(AutoModelForCausalLM.from_config(config), lora)
+    return {name: tuple(tensor.shape) for name, tensor in adapter_state(model).items()}
 
 
 @contextlib.contextmanager
