@@ -6,8 +6,10 @@ repeats (the adapter: a trained-looking one, lora_B random; rank 16, all linear 
 - vllm / full: every weight into a plain engine (`WeightLoader.rlbench_load_weights`).
 - vllm / adapter: the adapter into a LoRA engine: written as a peft folder (`write_ms`, part of `ms`), loaded by
   vLLM under a fresh id, the previous one removed.
-- hf / full: every weight copied into the HF sampler's model (the baseline of a sync without LoRA).
-- hf / adapter: the HF sampler's adapter load (`hf_adapter_row`: to be filled in with the HF sampler's LoRA path).
+- hf / full: every weight copied into the HF sampler's model (the baseline of a sync without LoRA), then the
+  decoder's re-read of its fused weights that the next generation starts with.
+- hf / adapter: the adapter into the HF sampler, then that re-read, which merges s · B A into the fused weights
+  (the base is not copied).
 Run: python benchmarks/lora_sync.py [--threads 1] [--repeats 5] [--rank 16]
 """
 
@@ -44,7 +46,7 @@ def main():
             rows = [vllm_full_row(model_dir, state, args.repeats),
                     vllm_adapter_row(model_dir, adapter, lora, args.repeats),
                     hf_full_row(model, tokenizer, state, args.repeats),
-                    hf_adapter_row(model, tokenizer, adapter, lora)]
+                    hf_adapter_row(model, tokenizer, adapter, lora, args.repeats)]
             for row in rows:
                 print(json.dumps(common | row), flush=True)
 
@@ -97,15 +99,25 @@ def vllm_adapter_row(model_dir: str, adapter: dict, lora: rl.LoRA, repeats: int)
 
 
 def hf_full_row(model, tokenizer, state: dict, repeats: int) -> dict:
-    sampler = HFSampler(copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return dict(sampler="hf", sync="full", bytes=nbytes(state), ms=median_ms(lambda: sampler.load_weights(state),
-                                                                           repeats))
+    return dict(sampler="hf", sync="full", bytes=nbytes(state), ms=hf_sync_ms(model, tokenizer, state, None, repeats))
 
 
-def hf_adapter_row(model, tokenizer, adapter: dict, lora: rl.LoRA) -> dict:
-    """The HF sampler's adapter load: to be measured here once the HF sampler takes `lora=` (same shape of row as
-    `vllm_adapter_row`, over `median_ms`)."""
-    return dict(sampler="hf", sync="adapter", bytes=nbytes(adapter), ms=None, note="HF sampler's LoRA path: not yet")
+def hf_adapter_row(model, tokenizer, adapter: dict, lora: rl.LoRA, repeats: int) -> dict:
+    return dict(sampler="hf", sync="adapter", bytes=nbytes(adapter),
+                ms=hf_sync_ms(model, tokenizer, adapter, lora, repeats))
+
+
+def hf_sync_ms(model, tokenizer, weights: dict, lora: rl.LoRA | None, repeats: int) -> float:
+    """`load_weights` and the decoder's re-read of its fused weights that the next generation starts with (under LoRA
+    where the adapter is merged into them): what a sync costs before sampling goes on."""
+    sampler = HFSampler(copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        lora=lora)
+
+    def sync():
+        sampler.load_weights(weights)
+        sampler.decoder._read_weights()
+
+    return median_ms(sync, repeats)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class LoRA:
                           bias="none", task_type="CAUSAL_LM")
 
 
-def wrap(model: torch.nn.Module, lora: LoRA, seed: int) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, lora: LoRA, seed: int = 0) -> torch.nn.Module:
     """`model` with adapters added in place (a peft model around it): the base weights frozen, the adapters trainable,
     initialised as peft does, A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a = sqrt(5)) and B = 0, so the
     wrapped model computes exactly the base's outputs. A is drawn from `seed` (peft draws from torch's global

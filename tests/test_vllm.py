@@ -427,3 +427,22 @@ def test_agentic_greedy_episodes_are_the_hf_samplers(tiny_dir, tmp_path):
         assert torch.equal(vllm[column], hf[column]), column
     assert vllm["stop_reason"] == hf["stop_reason"]
     torch.testing.assert_close(vllm["sampler_logp"], hf["sampler_logp"], atol=LOGP_ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_lora_session_syncs_only_the_adapter_into_vllm_and_stays_on_policy():
+    """Session(sampler="vllm", lora=...): every sync hands vLLM the adapter (a new LoRARequest), and the batches it
+    samples after updates are the policy's to vLLM's precision (a new engine: this module's one closes)."""
+    with rl.Session(model="tiny-arith", task="arithmetic", cluster="inline", seed=0, sampler="vllm", threads=1,
+                    prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, lr=1e-2, log_dir=None,
+                    lora=rl.LoRA(rank=8, alpha=16)) as s:
+        s.run(3, progress=False)
+        adapter = s.policy.state_dict()
+        held = s.sampler.state_dict()
+        batch = s.advantage(s.score(s.rollout()))
+    assert held.keys() == adapter.keys()
+    for name, value in adapter.items():
+        torch.testing.assert_close(held[name], value, atol=0, rtol=0, msg=name)
+    assert any(value.abs().max() > 0 for name, value in adapter.items() if "lora_B" in name)
+    mask = batch["response_mask"].bool()
+    assert (batch["sampler_logp"] - batch["old_logp"])[mask].abs().max() < LOGP_ATOL
