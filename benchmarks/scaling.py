@@ -9,7 +9,8 @@ before the session (`model_mb` is the difference). Sweeps: samples_per_prompt 4,
 (~1.1M parameters, trained: its answers end after ~4 tokens); model size ~1M (tiny-arith's shape), ~4M, ~20M
 and ~80M, all random-init Qwen2 with tiny-arith's tokenizer, so that every size generates (nearly) all 8 tokens
 (the same shape per step), at 8 samples per prompt. The last line is the summary: the power-law exponents of
-s/step and of memory against the parameter count (least squares in log-log), also drawn in --plot.
+s/step and of memory against the parameter count (least squares in log-log), also drawn in --plot. The lines
+are saved to --out and the figure to --plot (by default benchmarks/results/scaling.jsonl and .png).
 
 Run: .venv/bin/python benchmarks/scaling.py [--steps 8] [--precision fp32]   (~6 min on a 2-core CPU)
      .venv/bin/python benchmarks/scaling.py --quick --out /tmp/s.jsonl --plot /tmp/s.png   (two tiny sizes, 1 step)
@@ -36,7 +37,7 @@ SIZES = {"~1M": dict(hidden=192, layers=2, intermediate=768, heads=6, kv_heads=2
          "~4M": dict(hidden=256, layers=4, intermediate=1024, heads=4, kv_heads=2),
          "~20M": dict(hidden=512, layers=5, intermediate=2048, heads=8, kv_heads=4),
          "~80M": dict(hidden=768, layers=9, intermediate=3072, heads=12, kv_heads=4)}
-"""Random Qwen2 shapes of the model-size sweep (parameters: 1.1M, 4.2M, 19.7M, 77.9M)."""
+"""Random Qwen2 shapes of the model-size sweep (parameters: 1.13M, 4.00M, 19.8M, 78.1M)."""
 MAX_STEPS = {"~80M": 4}
 """Fewer measured steps for the sizes whose step takes seconds (their step-to-step spread is small)."""
 VARIANTS = ("full",)
@@ -152,7 +153,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="two tiny sizes, 1 warm-up + 1 step, no samples sweep")
     parser.add_argument("--lora", action="store_true", help="LoRA rows beside full fine-tuning (not implemented yet)")
     parser.add_argument("--out", default=str(HERE / "results/scaling.jsonl"), help="the JSON lines, saved here")
-    parser.add_argument("--plot", default=str(HERE / "scaling.png"), help="the figure ('' for none)")
+    parser.add_argument("--plot", default=str(HERE / "results/scaling.png"), help="the figure ('' for none)")
     parser.add_argument("--plot-only", metavar="FILE.jsonl", help="refit and redraw from saved lines, run nothing")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()

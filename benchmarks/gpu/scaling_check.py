@@ -17,7 +17,8 @@ The 7B runs at fewer layers (`--layers-7b`, two counts) and every quantity is ex
 count to 28 (`--layers-7b 28` runs the whole model: ~122 GB of weights, gradients and AdamW states alone).
 
 Written on a machine without a GPU: not run yet. On a machine without CUDA it prints one "skipped" line and exits 0.
-`--smoke` runs the whole path on the CPU with a 2-layer toy shape (the test suite does). Run (~5 min on an H200):
+`--smoke` runs the whole path on the CPU with a 2-layer toy shape (the test suite does). Run (~6 min on an H200,
+estimated):
 
     python benchmarks/gpu/scaling_check.py [--only 0.5b|7b] [--rollout-rows N] [--update-rows N] [--layers-7b 4,8]
     python benchmarks/gpu/scaling_check.py --smoke
