@@ -41,17 +41,14 @@ SIZES = {"~1M": dict(hidden=192, layers=2, intermediate=768, heads=6, kv_heads=2
 MAX_STEPS = {"~80M": 4}
 """Fewer measured steps for the sizes whose step takes seconds (their step-to-step spread is small)."""
 VARIANTS = ("full",)
-"""What trains in the model-size sweep: "full" = every weight. --lora adds "lora" (see `variant_settings`)."""
+"""What trains in the model-size sweep: "full" = every weight. --lora adds "lora": a rank-16 adapter on every linear
+layer (`variant_settings`)."""
 SAMPLES_PER_PROMPT = (4, 8, 16, 32)
 
 
 def variant_settings(variant: str) -> dict:
-    """The Session settings of a variant of the model-size sweep. LoRA-vs-full rows: return the "lora" variant's
-    adapter setting here (rows then carry "variant" and "trainable_parameters" as they do for "full")."""
-    if variant == "full":
-        return {}
-    raise NotImplementedError(f"variant {variant!r}: LoRA rows are not implemented yet (benchmarks/scaling.py, "
-                              f"variant_settings)")
+    """The Session settings of a variant of the model-size sweep."""
+    return {"full": {}, "lora": {"lora": rl.LoRA(rank=16, alpha=32)}}[variant]
 
 
 def measure(model: str, samples_per_prompt: int, steps: int, warmup: int, precision: str, variant: str) -> dict:
@@ -151,7 +148,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--quick", action="store_true", help="two tiny sizes, 1 warm-up + 1 step, no samples sweep")
-    parser.add_argument("--lora", action="store_true", help="LoRA rows beside full fine-tuning (not implemented yet)")
+    parser.add_argument("--lora", action="store_true", help="LoRA rows (rank 16, all linear layers) beside full fine-tuning")
     parser.add_argument("--out", default=str(HERE / "results/scaling.jsonl"), help="the JSON lines, saved here")
     parser.add_argument("--plot", default=str(HERE / "results/scaling.png"), help="the figure ('' for none)")
     parser.add_argument("--plot-only", metavar="FILE.jsonl", help="refit and redraw from saved lines, run nothing")
@@ -165,11 +162,6 @@ def main():
         finish([r for r in lines if not r.get("summary")], args)
         return
     variants = VARIANTS + (("lora",) if args.lora else ())
-    for variant in variants:
-        try:
-            variant_settings(variant)
-        except NotImplementedError as error:
-            parser.error(str(error))
     torch.set_num_threads(1)
     if args.quick:
         args.steps, args.warmup = 1, 1

@@ -17,25 +17,30 @@ def json_lines(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.slow  # ~40 s: two model sizes, each in its own process
+@pytest.mark.slow  # ~80 s: two model sizes, full and LoRA, each in its own process
 def test_scaling_quick_writes_rows_fit_and_plot(tmp_path):
     out, png = tmp_path / "scaling.jsonl", tmp_path / "scaling.png"
-    run = subprocess.run([sys.executable, "scaling.py", "--quick", "--out", str(out), "--plot", str(png)],
-                         cwd=REPO / "benchmarks", env=ENV, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "scaling.py", "--quick", "--lora", "--out", str(out), "--plot", str(png)],
+                         cwd=REPO / "benchmarks", env=ENV, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = json_lines(run.stdout)
     rows, summary = lines[:-1], lines[-1]
-    assert [r["model"] for r in rows] == ["random-qwen2-~1M", "random-qwen2-~4M"]
+    assert [(r["model"], r["variant"]) for r in rows] == [("random-qwen2-~1M", "full"), ("random-qwen2-~1M", "lora"),
+                                                         ("random-qwen2-~4M", "full"), ("random-qwen2-~4M", "lora")]
     for row in rows:
-        assert row["sweep"] == "model_size" and row["variant"] == "full" and row["steps"] == 1
-        assert row["parameters"] == row["trainable_parameters"] > 1e6
+        assert row["sweep"] == "model_size" and row["steps"] == 1 and row["parameters"] > 1e6
+        if row["variant"] == "full":
+            assert row["trainable_parameters"] == row["parameters"]
+        else:  # the adapter alone: rank 16 on every linear layer of a block, a few percent of the model
+            assert 0 < row["trainable_parameters"] < row["parameters"] / 5
         assert row["s_per_step"] > 0 and row["stages_s"]["rollout"] > 0 and row["stages_s"]["update"] > 0
         assert row["generated_tokens_per_s"] > 0 and row["trained_tokens_per_s"] > 0
         assert row["peak_rss_mb"] > row["model_mb"] > 0
-    assert rows[1]["parameters"] > 3 * rows[0]["parameters"]
-    fit = summary["fit"]["full"]
-    assert summary["summary"] and fit["sizes"] == 2
-    assert {"s_per_step_exponent", "peak_rss_mb_exponent", "model_mb_exponent"} <= set(fit)
+    assert rows[2]["parameters"] > 3 * rows[0]["parameters"]
+    assert rows[1]["parameters"] == rows[0]["parameters"] + rows[1]["trainable_parameters"]  # the base and the adapter
+    for fit in (summary["fit"]["full"], summary["fit"]["lora"]):
+        assert summary["summary"] and fit["sizes"] == 2
+        assert {"s_per_step_exponent", "peak_rss_mb_exponent", "model_mb_exponent"} <= set(fit)
     assert json_lines(out.read_text()) == lines  # the saved file holds what was printed
     assert png.stat().st_size > 10_000
 
@@ -45,12 +50,6 @@ def test_scaling_quick_writes_rows_fit_and_plot(tmp_path):
                            cwd=REPO / "benchmarks", env=ENV, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json_lines(again.stdout) == [summary] and png.exists()
-
-
-def test_scaling_lora_is_not_implemented_yet():
-    run = subprocess.run([sys.executable, "scaling.py", "--lora"], cwd=REPO / "benchmarks", env=ENV,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "LoRA rows are not implemented yet" in run.stderr
 
 
 SCALING_CHECK = str(REPO / "benchmarks/gpu/scaling_check.py")
