@@ -3,21 +3,23 @@
 A random ~20M-parameter Qwen2 (`SIZES["~20M"]` of scaling.py, tiny-arith's byte tokenizer, untied LM head)
 that cannot emit EOS, so that every response runs to max_new_tokens: residual dimension 0 holds a constant
 (every token's embedding has 1.0 there, and every layer's o_proj and down_proj write 0 to it), no LM-head row
-but EOS's reads it, and EOS's row is -10 there and 0 elsewhere. EOS's logit is then -10 / rms(final hidden
-state), about -200 here, while the other 258 tokens stay near uniform (samples of a prompt part at once, as
-they would at temperature 1 on a real model); every measurement checks that all its responses ran to the
-limit. Prompts are ~300 random lowercase words (one token per byte), 1 prompt x 8 samples per step,
-micro_batch_tokens 65536 (a group in one micro-batch, as on a GPU), one torch thread, fp32, sdpa attention,
-kl_coef 0 (no reference model), old_logp from a separate forward (`advantage()`).
+but EOS's reads it, and EOS's row is -1000 there and 0 elsewhere. EOS's logit is then -1000 / rms(final hidden
+state), about -1800 here (the other 258 logits lie within +-2: near uniform, so the samples of a prompt part at
+once, as at temperature 1 on a real model): its probability underflows to exactly 0 in fp32 and the sampler
+never draws it. Every measurement checks that all its responses ran to the limit. Prompts are 300 tokens (one
+per character) of random lowercase words, 1 prompt x 8 samples per step, micro_batch_tokens 65536 (a group
+in one micro-batch, as on a GPU), one torch thread, fp32, sdpa attention, kl_coef 0 (no reference model),
+old_logp from a separate forward (`advantage()`), lr 1e-6.
 
 Each (response length, path) runs in a fresh process (its peak resident memory is its own): `--steps` GRPO
 steps, the first a warm-up when there are more. One JSON line each: the stage times of the last steps
 (median) -- rollout (the HF sampler), old-logp forward (`time_advantage`), update (policy forward + backward +
-optimizer step, `time_update`) -- the rollout's seconds per generated token and per decode step, the peak
-resident memory (ru_maxrss) and the part of it above what the process held before its first step, and the
-packed layout's mask size (rows x W x W fp32, `packed_mask_bytes`), whichever path ran. A packed run whose
-mask would pass `--max-mask-mb`, or that the growth measured at the two shorter lengths projects past
-`--max-seconds` or `--max-rss-mb`, is not run: its row says "skipped" and why. A run whose resident memory
+optimizer step, `time_update`) -- the rollout's time per generated token and per decode step (all rows
+at once), the peak resident memory (ru_maxrss) and the part of it above what the process held before its
+first step, and the packed layout's mask size (rows x W x W fp32, `packed_mask_bytes`), whichever path ran.
+A packed run whose mask would pass `--max-mask-mb`, or a run of either path that the growth measured at the
+path's two longest lengths so far projects past `--max-seconds` or `--max-rss-mb`, is not run: its row says
+"skipped" and why. A run whose resident memory
 passes `--max-rss-mb` anyway is killed (its row says so). Last, a summary line: per path, the log-log
 least-squares exponent of each time and of memory against the response length, and update(1024)/update(256).
 
@@ -49,7 +51,7 @@ from timing import random_qwen2
 
 QUICK_SHAPE = dict(hidden=64, layers=2, intermediate=256, heads=4, kv_heads=2)
 """`--quick`'s model: a smoke test of the script, not a measurement."""
-EOS_LOGIT_WEIGHT = -10.0
+EOS_LOGIT_WEIGHT = -1000.0
 """EOS's LM-head weight on the constant residual dimension (see the module docstring)."""
 
 
@@ -214,7 +216,8 @@ def main():
     parser.add_argument("--micro-batch-tokens", type=int, default=65536)
     parser.add_argument("--max-mask-mb", type=float, default=2048, help="skip packed runs with a larger mask")
     parser.add_argument("--max-seconds", type=float, default=600, help="skip runs projected to take longer")
-    parser.add_argument("--max-rss-mb", type=float, default=10240, help="skip (projected) or kill runs above it")
+    parser.add_argument("--max-rss-mb", type=float, default=14336,
+                        help="skip runs projected above it, kill runs that pass it (the machine: 24 GiB, shared)")
     parser.add_argument("--quick", action="store_true", help="a ~0.1M model, lengths 32,64, 1 step, short prompts")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
