@@ -26,12 +26,13 @@ def tokens_per_second(fns: list, repeats: int) -> list[float]:
 
 
 def random_qwen2(directory: str, *, hidden: int = 256, layers: int = 4, intermediate: int = 1024, heads: int = 4,
-                 kv_heads: int = 2, seed: int = 0) -> str:
-    """A randomly initialised Qwen2 with tiny-arith's tokenizer, saved to `directory` (default ~4M parameters)."""
+                 kv_heads: int = 2, max_positions: int = 128, tied: bool = True, seed: int = 0) -> str:
+    """A randomly initialised Qwen2 with tiny-arith's tokenizer, saved to `directory` (default ~4M parameters):
+    `max_positions` its context length, `tied` whether the LM head shares the embedding's weights."""
     tokenizer = rl.models.build_tokenizer()
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=None,
+                         max_position_embeddings=max_positions, tie_word_embeddings=tied, bos_token_id=None,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32")
     torch.manual_seed(seed)
     transformers.utils.logging.disable_progress_bar()

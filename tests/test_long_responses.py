@@ -1,6 +1,12 @@
 """Long responses: the per-sample attention layout computes what each row's own forward computes, in memory
 linear in the sequence length, and activation checkpointing leaves gradients unchanged."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -163,3 +169,23 @@ def test_a_session_trains_the_same_per_sample_and_checkpointed(tiny_dir):
             weights.append(s.policy.state_dict())
     for name, weight in weights[0].items():
         torch.testing.assert_close(weights[1][name], weight, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_the_long_responses_benchmark_runs_both_paths_in_quick_mode():
+    # the benchmark's smoke setting (~1 min: four fresh processes): a ~0.1M no-EOS model, responses of 16 and 32 tokens, one step per run
+    script = Path(__file__).parent.parent / "benchmarks" / "long_responses.py"
+    env = os.environ | {"PYTHONPATH": str(script.parent.parent), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(script), "--quick", "--lengths", "16,32"], cwd=script.parent, env=env,
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    *rows, summary = [json.loads(line) for line in out.splitlines()]
+    assert [(r["path"], r["response_tokens"]) for r in rows] == [
+        ("packed", 16), ("per_sample", 16), ("packed", 32), ("per_sample", 32)]
+    for row in rows:
+        assert not row.get("skipped")
+        assert row["rollout_s"] > 0 and row["update_s"] > 0 and row["old_logp_s"] > 0 and row["peak_rss_mb"] > 0
+        # one 48-token prompt and 8 samples of L tokens, no shared prefix: a row W = 48 + 8 L wide, 4 W² bytes
+        assert row["packed_width"] == 48 + 8 * row["response_tokens"]
+        assert row["packed_mask_mb"] == round(4 * row["packed_width"] ** 2 / 2**20, 1)
+    assert summary["summary"] and summary["per_sample"]["lengths"] == [16, 32]
+    assert set(summary["per_sample"]["exponents"]) >= {"update_s", "peak_rss_mb", "rollout_us_per_token"}

@@ -99,6 +99,10 @@ def _packed_outputs(model, batch: Batch) -> torch.Tensor:
     every response token sees exactly the context it had unpacked (the same math; a shared token's
     gradient is the sum over the samples that share it); position ids are those each token had in the
     sampler.
+
+    Whatever the attention implementation, the R x W x W additive mask is materialised in fp32 (4·R·W² bytes,
+    `packed_mask_bytes`: over 1 GiB for 8 samples of 2048 tokens); "eager" attention also keeps R x heads x W x W
+    scores and probabilities per layer for the backward.
     """
     ids_N, position_N, span_R_W, predictor_B_T = _pack_groups(batch)
     R, W = span_R_W.shape
