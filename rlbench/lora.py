@@ -9,7 +9,7 @@ optimizer. The base weights never change, which is what the rest of rlbench buil
 - `export` writes the merged model (`merged_state`) or the adapter in peft's format (`save_adapter`).
 
 Names: the policy's adapter tensors carry peft's live parameter names,
-`base_model.model.<module>.lora_A.default.weight`; `module_deltas` turns them into `{<module>: s · B A}`.
+`base_model.model.<module>.lora_A.default.weight`; `module_pairs` groups them by layer, `delta` is what a layer's adapter adds to its weight.
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def module_deltas(adapter: dict[str, torch.Tensor], lora: LoRA) -> dict[str, torch.Tensor]:
-    """`{module path: s · B A}` `[out, in]` from adapter tensors by live name: what the adapter adds to each
-    adapted layer's weight (e.g. "model.layers.0.self_attn.q_proj")."""
+def module_pairs(adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`{module path: (A, B)}` from adapter tensors by live name (e.g. "model.layers.0.self_attn.q_proj"); a ValueError
+    names a tensor that is not an adapter's, or a layer without both of its matrices."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in adapter.items():
         match = _ADAPTER.match(name)
@@ -125,22 +125,27 @@ def module_deltas(adapter: dict[str, torch.Tensor], lora: LoRA) -> dict[str, tor
     incomplete = sorted(module for module, ab in pairs.items() if len(ab) != 2)
     if incomplete:
         raise ValueError(f"LoRA adapter without both lora_A and lora_B for: {incomplete}")
-    return {module: lora.scaling * (ab["B"].float() @ ab["A"].float()) for module, ab in pairs.items()}
+    return {module: (ab["A"], ab["B"]) for module, ab in pairs.items()}
+
+
+def delta(A: torch.Tensor, B: torch.Tensor, lora: LoRA) -> torch.Tensor:
+    """What an adapter adds to its layer's weight, s · B A `[out, in]` (in fp32)."""
+    return lora.scaling * (B.float() @ A.float())
 
 
 def merged_state(state: dict[str, torch.Tensor], lora: LoRA) -> dict[str, torch.Tensor]:
     """A peft model's full state dict as the plain model's, with every adapter merged into its layer's weight
     (`W + s · B A`): what `export()` writes and what loads into a model without adapters."""
     adapter = {name: tensor for name, tensor in state.items() if _ADAPTER.match(name)}
-    deltas = module_deltas(adapter, lora)
+    pairs = module_pairs(adapter)
     merged = {}
     for name, tensor in state.items():
         if name in adapter:
             continue
         plain = name.removeprefix(_PREFIX).replace(".base_layer.", ".")
         module = plain.rsplit(".", 1)[0]
-        if plain.endswith(".weight") and module in deltas:
-            tensor = (tensor.float() + deltas[module]).to(tensor.dtype)
+        if plain.endswith(".weight") and module in pairs:
+            tensor = (tensor.float() + delta(*pairs[module], lora)).to(tensor.dtype)
         merged[plain] = tensor
     return merged
 

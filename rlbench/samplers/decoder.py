@@ -7,7 +7,7 @@ one row per distinct context (see `keep`), an additive padding mask, and attenti
 products (on a CPU, `scaled_dot_product_attention` costs several times the arithmetic of a one-token
 query), so a step is a few dozen tensor ops. The layer weights are transposed copies of the
 transformers model's (the embedding and LM head are shared), re-read after every weight load (`refresh`); a
-LoRA adapter is merged into those copies (`deltas`), so it costs nothing per token and the base stays untouched.
+LoRA adapter is merged into those copies (`adapter`), so it costs nothing per token and the base stays untouched.
 A prefill can start from K/V an earlier call kept (`contexts`, then `start`'s `cached_N`): an episode's next turn
 computes only its new tokens.
 """
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from rlbench.lora import delta
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -40,9 +42,10 @@ class CompactDecoder:
         self.cos_sin_L_2_D = torch.empty(0)  # [positions, 2, D]: built by `start`
         # dynamic RoPE scaling rescales the tables by sequence length: rebuilt every call then
         self.dynamic_rope = "dynamic" in getattr(model.model.rotary_emb, "rope_type", "default")
-        self.deltas: dict[str, torch.Tensor] = {}
-        """{module path: a change to its weight `[out, in]`} applied to the fused copies (a LoRA adapter's
-        s · B A, see `HFSampler.load_weights`); the model's own weights stay as they are."""
+        self.adapter: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lora = None
+        """A LoRA adapter, `{module path: (A, B)}` and its `rl.LoRA`, merged into the fused copies (`HFSampler.load_weights`):
+        each adapted weight is read as W + s · B A, the model's own weights stay as they are."""
         self.refresh()
 
     def refresh(self) -> None:
@@ -52,7 +55,7 @@ class CompactDecoder:
 
     @torch.no_grad()
     def _read_weights(self) -> None:
-        """Fuse and transpose the model's current weights, each plus its `deltas` entry if any."""
+        """Fuse and transpose the model's current weights, each with its adapter merged in if it has one."""
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.final_norm = (inner.norm.weight, inner.norm.variance_epsilon)
@@ -63,8 +66,10 @@ class CompactDecoder:
 
             def weight(block: str, name: str) -> torch.Tensor:
                 module = getattr(attn if block == "self_attn" else mlp, name)
-                delta = self.deltas.get(f"model.layers.{i}.{block}.{name}")
-                return module.weight if delta is None else module.weight + delta
+                pair = self.adapter.get(f"model.layers.{i}.{block}.{name}")
+                if pair is None:
+                    return module.weight
+                return (module.weight.float() + delta(*pair, self.lora)).to(module.weight.dtype)
 
             qkv_bias = None
             if attn.q_proj.bias is not None:
@@ -81,7 +86,7 @@ class CompactDecoder:
             ))
 
     def adaptable(self) -> dict[str, torch.Size]:
-        """{module path: weight shape} of the linear layers a `deltas` entry may change (a block's q, k, v, o,
+        """{module path: weight shape} of the linear layers an adapter may change (a block's q, k, v, o,
         gate, up and down projections)."""
         shapes = {}
         for i, layer in enumerate(self.model.model.layers):

@@ -19,7 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from rlbench import models
 from rlbench.algorithms import token_logp
 from rlbench.batch import Batch, left_pad
-from rlbench.lora import LoRA, module_deltas
+from rlbench.lora import LoRA, module_pairs
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
 from rlbench.samplers.base import SamplingParams, as_tensors
@@ -174,16 +174,19 @@ class HFSampler:
         if self.adapter and adapter.keys() != self.adapter.keys():
             changed = sorted(adapter.keys() ^ self.adapter.keys())
             raise ValueError(f"adapter does not fit the sampler's: these tensors are in only one of them: {changed[:6]}")
-        deltas, shapes = module_deltas(adapter, self.lora), self.decoder.adaptable()
-        for module, delta in deltas.items():
+        pairs, shapes = module_pairs(adapter), self.decoder.adaptable()
+        for module, (A, B) in pairs.items():
             if module not in shapes:
                 raise ValueError(f"the hf sampler applies LoRA to a block's linear layers only (q, k, v, o, gate, up, "
                                  f"down projections), not to {module!r}")
-            if delta.shape != shapes[module]:
+            if (B.shape[0], A.shape[1]) != shapes[module] or A.shape[0] != B.shape[1]:
                 raise ValueError(f"adapter does not fit the sampler's model: {module} changes a weight of shape "
-                                 f"{tuple(delta.shape)}, not {tuple(shapes[module])}")
+                                 f"{(B.shape[0], A.shape[1])} (A {tuple(A.shape)}, B {tuple(B.shape)}), not "
+                                 f"{tuple(shapes[module])}")
         self.adapter = {name: tensor.clone() for name, tensor in adapter.items()}  # the policy's may be live
-        self.decoder.deltas = {module: delta.to(self.model.dtype).to(self.model.device) for module, delta in deltas.items()}
+        self.decoder.lora = self.lora
+        self.decoder.adapter = {module: (A.to(self.model.device), B.to(self.model.device))
+                                for module, (A, B) in module_pairs(self.adapter).items()}
         self.decoder.refresh()
         self.kept.clear()
 
