@@ -189,7 +189,7 @@ def hyperparameters(fn: Callable) -> dict[str, object]:
 
 def _describe_fn(fn: Callable, kind: str) -> str:
     hparams = ", ".join(
-        name if default is inspect.Parameter.empty else f"{name}={default!r}"
+        f"{name} (required)" if default is inspect.Parameter.empty else f"{name}={default!r}"
         for name, default in hyperparameters(fn).items()
     )
     lines = [f"{_label(fn)} ({kind})", inspect.getdoc(fn) or "(no docstring)", f"Hyperparameters: {hparams or 'none'}"]
@@ -227,6 +227,13 @@ def describe(name: str | Callable | Algorithm | RolloutCorrection) -> str:
 
 
 def _check_kwargs(fn: Callable, kwargs: Mapping, what: str) -> None:
+    """``kwargs`` name only hyperparameters ``fn`` takes, and every hyperparameter without a default (DRO's β)."""
+    missing = [name for name, default in hyperparameters(fn).items()
+               if default is inspect.Parameter.empty and name not in kwargs]
+    if missing:
+        key = "loss_kwargs" if what == "loss" else "advantage_kwargs"
+        raise ValueError(f"{what} {_label(fn)!r} needs {', '.join(missing)} (no default): pass it in {key}, e.g. "
+                         f"{key}={{{missing[0]!r}: ...}}")
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return

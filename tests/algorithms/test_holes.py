@@ -51,6 +51,8 @@ def scatter(x_B_T):
 
 
 COMPACT_MASK_B_T = compact(MASK_B_T)
+REQUIRED_LOSS_KWARGS = {"dro": {"beta": 0.3}}
+"""Hyperparameters without a default, by loss."""
 
 
 def batch(seed=0):
@@ -120,8 +122,9 @@ def test_every_loss_and_reduction_on_a_holed_batch_is_the_compact_one(name):
     b = batch(seed=1)
     fn = loss_fn(name)
     columns = ("logp_B_T", "old_logp_B_T", "advantages_B_T")
-    loss_B_T, metrics = fn(*(b[c] for c in columns), MASK_B_T)
-    compact_loss_B_T, compact_metrics = fn(*(compact(b[c]) for c in columns), COMPACT_MASK_B_T)
+    kwargs = REQUIRED_LOSS_KWARGS.get(name, {})
+    loss_B_T, metrics = fn(*(b[c] for c in columns), MASK_B_T, **kwargs)
+    compact_loss_B_T, compact_metrics = fn(*(compact(b[c]) for c in columns), COMPACT_MASK_B_T, **kwargs)
     torch.testing.assert_close(loss_B_T * MASK_B_T, scatter(compact_loss_B_T * COMPACT_MASK_B_T))
     for key, value in metrics.items():
         torch.testing.assert_close(value, compact_metrics[key], msg=key)

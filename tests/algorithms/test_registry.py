@@ -43,7 +43,7 @@ def test_names():
         "reinforce_plus_plus_baseline", "remax", "rloo", "turn_rloo",
     }
     assert set(names("loss")) == {
-        "cispo", "clip_cov", "dppo_kl", "dppo_tv", "gmpo", "gpg", "gspo", "kl_cov", "ppo_clip", "sapo",
+        "cispo", "clip_cov", "dppo_kl", "dppo_tv", "dro", "gmpo", "gpg", "gspo", "kl_cov", "ppo_clip", "sapo",
     }
     with pytest.raises(ValueError, match="valid: algorithm, advantage, loss"):
         names("losses")
