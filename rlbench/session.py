@@ -167,8 +167,8 @@ class Session:
         with self._timed("advantage"):
             mask_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
             columns, meta, started = {}, {}, {}
-            if cfg.rollout_mode != "sync" and algorithm.correction is None:  # sampled by older weights: PPO's old
-                columns["old_logp"] = batch["sampler_logp"]
+            if algorithm.bypass or (cfg.rollout_mode != "sync" and algorithm.correction is None):
+                columns["old_logp"] = batch["sampler_logp"]  # bypass, or sampled by older weights: PPO's old
             elif not cfg.on_policy_old_logp:  # (else the update's own forward gives it)
                 started["old_logp"] = self.policy.log_probs_async(batch)
             if self.reference is not None:  # both started before either is waited for (on Ray: no idle round trip)
@@ -182,7 +182,7 @@ class Session:
                     rewards_B_T, columns["old_logp"], columns["ref_logp"], mask_B_T, coef=self.state.reward_kl.coef,
                     kind=algorithm.reward_kl_estimator)
                 meta = {"reward_kl": float(batch_kl), "reward_kl_coef": self.state.reward_kl.coef}
-            if algorithm.correction is not None:
+            if algorithm.correction is not None and not algorithm.bypass:  # (bypass: the loss corrects)
                 weights_B_T, loss_mask_B_T, stats = algorithm.correction(columns["old_logp"], batch["sampler_logp"], mask_B_T)
                 loss_mask_B_T = loss_mask_B_T * mask_B_T.to(loss_mask_B_T.dtype)
                 columns |= {"correction_weights": weights_B_T, "loss_mask": loss_mask_B_T}

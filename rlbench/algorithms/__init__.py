@@ -35,6 +35,7 @@ from .core import (
 from .correction import Rejection, RolloutCorrection, mismatch_metrics
 from .registry import (
     ADVANTAGE_DATA,
+    BYPASS_MODES,
     LOSS_DATA,
     Algorithm,
     advantage_fn,
@@ -55,6 +56,7 @@ from .sampling import filter_groups, overlong_penalty
 
 __all__ = [
     "ADVANTAGE_DATA",
+    "BYPASS_MODES",
     "LOSS_DATA",
     "KL_KINDS",
     "REDUCTIONS",

@@ -30,6 +30,8 @@ TABLE = {
     "opo": ("opo", "ppo_clip", "token-mean", {}),
     "grpo_passk": ("grpo_passk", "ppo_clip", "token-mean", {}),
     "dppo": ("grpo", "dppo_tv", "seq-mean-token-sum-norm", dict(advantage_kwargs={"norm_by_std": False})),
+    "grpo_bypass": ("grpo", "ppo_clip", "seq-mean-token-mean", dict(kl_coef=0.001, bypass="ppo_clip", correction=None)),
+    "grpo_bypass_pg": ("grpo", "gpg", "seq-mean-token-mean", dict(kl_coef=0.001, bypass="reinforce")),
     "mt_grpo": ("mt_grpo", "ppo_clip", "seq-mean-token-mean", dict(kl_coef=0.001, needs_turns=True)),
     "gigpo": ("gigpo", "ppo_clip", "seq-mean-token-mean", dict(kl_coef=0.0, needs_turns=True)),
     "turn_rloo": ("turn_rloo", "ppo_clip", "token-mean", dict(needs_turns=True)),
