@@ -192,6 +192,7 @@ class Session:
                 rewards_B_T, columns.get("loss_mask", mask_B_T), group_ids=batch["group_ids"],
                 values_B_T=columns.get("values"),
                 baselines_B=batch.tensors.get("baseline_reward"), old_logp_B_T=columns.get("old_logp"),
+                sum_pi2_B_T=batch.tensors.get("sum_pi2"), is_weights_B_T=columns.get("correction_weights"),
                 reward_components_B_K=torch.stack([batch[k] for k in components], -1) if components else None,
                 turn_B_T=batch.tensors.get("turn"), turn_rewards_B_N=batch.tensors.get("turn_rewards"),
                 turns_B=batch.tensors.get("turns"), turn_state_B_N=batch.tensors.get("turn_state"))

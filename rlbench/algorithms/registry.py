@@ -23,10 +23,12 @@ from .correction import RolloutCorrection
 
 TURN_DATA = ("turn_B_T", "turn_rewards_B_N", "turns_B", "turn_state_B_N")
 """The advantage data only an agentic (multi-turn) task has."""
-ADVANTAGE_DATA = ("group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "reward_components_B_K", *TURN_DATA)
+ADVANTAGE_DATA = ("group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "reward_components_B_K", "sum_pi2_B_T",
+                  "is_weights_B_T", *TURN_DATA)
 """Data an advantage estimator may declare as keyword arguments: the prompt group of each sample, the critic's
 values, the greedy baseline's score, the log-probs of the policy that sampled, the per-sample reward
-components ``[B, K]`` (a reward that returns a dict); and, from an agentic (multi-turn) task, the assistant-turn
+components ``[B, K]`` (a reward that returns a dict), ``Σ_v π_v²`` per token of the policy that sampled (OTB), the
+rollout correction's detached importance weights (None without correction); and, from an agentic (multi-turn) task, the assistant-turn
 index of each token (``-1`` on padding), the environment's reward after each turn (``N`` = most turns in the
 batch, 0 past an episode's turns), the number of turns of each episode, and an id of the environment state
 seen at the start of each turn (``-1`` past the turns). It receives only those its signature names."""
