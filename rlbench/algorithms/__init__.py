@@ -25,6 +25,7 @@ from .core import (
     outcome_rewards,
     ratio,
     token_logp,
+    token_logp_and_sum_pi2,
     kl,
     kl_in_reward,
     masked_mean,
@@ -90,6 +91,7 @@ __all__ = [
     "register_correction",
     "register_loss",
     "token_logp",
+    "token_logp_and_sum_pi2",
     "value_loss",
 ]
 

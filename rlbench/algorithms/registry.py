@@ -350,6 +350,12 @@ class Algorithm:
         return any(name in inspect.signature(self.advantage).parameters for name in TURN_DATA)
 
     @property
+    def needs_sum_pi2(self) -> bool:
+        """Whether the advantage reads ``Σ_v π_v²`` per token (OTB), by name in its signature: the old-policy
+        forward then also returns it (the batch's ``sum_pi2`` column)."""
+        return "sum_pi2_B_T" in inspect.signature(self.advantage).parameters
+
+    @property
     def needs_reference(self) -> bool:
         """Whether the step needs reference-policy log-probs (a KL in the loss or in the reward)."""
         return self.kl_coef > 0 or self.reward_kl_coef > 0

@@ -89,3 +89,19 @@ def test_otb_names_the_missing_sum_pi2():
     alg = get("grpo").replace(name="otb", advantage="tir_otb")  # the data reaches it through Algorithm.estimate
     adv_B_T, _ = alg.estimate(REWARDS_B_T, MASK_B_T, **DATA, is_weights_B_T=None, values_B_T=None)
     torch.testing.assert_close(adv_B_T[1], torch.tensor([-0.5, -5 / 9, 0.0]))
+
+
+def test_sum_pi2_from_logits_hand_worked():
+    # logits [0, ln 3]: π = [1/4, 3/4], Σπ² = 1/16 + 9/16 = 0.625; token 1: log 3/4
+    from rlbench.algorithms import token_logp, token_logp_and_sum_pi2
+    logits_B_T_V = torch.tensor([[[0.0, 3.0 ** 0.5], [0.0, float(torch.tensor(3.0).log())]]])
+    ids_B_T = torch.tensor([[0, 1]])
+    logp_B_T, sum_pi2_B_T = token_logp_and_sum_pi2(logits_B_T_V, ids_B_T)
+    torch.testing.assert_close(logp_B_T, token_logp(logits_B_T_V, ids_B_T))
+    torch.testing.assert_close(sum_pi2_B_T, torch.softmax(logits_B_T_V, -1).square().sum(-1))
+    assert sum_pi2_B_T[0, 1].item() == pytest.approx(0.625) and logp_B_T[0, 1].exp().item() == pytest.approx(0.75)
+
+
+def test_needs_sum_pi2_is_declared_by_the_estimator():
+    assert get("grpo").replace(advantage="otb").needs_sum_pi2 and get("grpo").replace(advantage="tir_otb").needs_sum_pi2
+    assert not get("grpo").needs_sum_pi2
