@@ -170,7 +170,7 @@ class Session:
             sampler_is_old = algorithm.bypass or (cfg.rollout_mode != "sync" and algorithm.correction is None)
             if sampler_is_old:
                 columns["old_logp"] = batch["sampler_logp"]  # bypass, or sampled by older weights: PPO's old
-            if algorithm.needs_sum_pi2:  # OTB: Σ_v π_v² of the policy that sampled, from its log-prob forward
+            if algorithm.needs_sum_pi2:  # OTB: Σ_v π_v² per token, from the policy's log-prob forward (its weights)
                 started["old_logp+sum_pi2"] = self.policy.log_probs_sum_pi2_async(batch)
             elif not sampler_is_old and not cfg.on_policy_old_logp:  # (else the update's own forward gives it)
                 started["old_logp"] = self.policy.log_probs_async(batch)
@@ -178,7 +178,7 @@ class Session:
                 started["ref_logp"] = self.reference.log_probs_async(batch)
             columns |= {name: pending.result() for name, pending in started.items()}
             if "old_logp+sum_pi2" in columns:
-                logp_B_T, columns["sum_pi2"] = columns.pop("old_logp+sum_pi2").unbind(-1)
+                logp_B_T, columns["sum_pi2"] = (x.contiguous() for x in columns.pop("old_logp+sum_pi2").unbind(-1))
                 columns.setdefault("old_logp", logp_B_T)
             if self.critic is not None:
                 columns["values"] = self.critic.values(batch)

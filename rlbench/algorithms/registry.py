@@ -307,9 +307,9 @@ class Algorithm:
     construction; None = off."""
     bypass: str | None = None
     """verl 0.9.1's bypass mode (docs/algo/rollout_corr.md), one of ``BYPASS_MODES``; None = off. The sampler's
-    log-probs serve as ``old_logp`` (the session runs no old-policy forward) and ``correction`` runs inside
-    ``actor_loss``, per micro-batch, on ``log ρ = sg(logp) - sampler_logp``. "ppo_clip": the loss on the tokens the
-    correction's rejection keeps, without IS weights (its ratio ``π_θ/π_sampler`` already is one). "reinforce":
+    log-probs serve as ``old_logp`` (the session runs no old-policy forward, unless the advantage reads ``Σ_v π_v²``:
+    OTB) and ``correction`` runs inside ``actor_loss``, per micro-batch, on ``log ρ = sg(logp) - sampler_logp``.
+    "ppo_clip": the loss on the tokens the correction's rejection keeps, without IS weights (its ratio ``π_θ/π_sampler`` already is one). "reinforce":
     ``L = -A·logp·w``, ``w`` the correction's truncated IS weights (the ``gpg`` loss, which this mode requires)."""
     description: str = ""
     """One line for humans."""
