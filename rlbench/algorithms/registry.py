@@ -27,8 +27,8 @@ ADVANTAGE_DATA = ("group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "rew
                   "is_weights_B_T", *TURN_DATA)
 """Data an advantage estimator may declare as keyword arguments: the prompt group of each sample, the critic's
 values, the greedy baseline's score, the log-probs of the policy that sampled, the per-sample reward
-components ``[B, K]`` (a reward that returns a dict), ``Σ_v π_v²`` per token of the policy that sampled (OTB), the
-rollout correction's detached importance weights (None without correction); and, from an agentic (multi-turn) task, the assistant-turn
+components ``[B, K]`` (a reward that returns a dict), ``Σ_v π_v²`` per token (OTB), the rollout correction's
+detached importance weights (None without correction); and, from an agentic (multi-turn) task, the assistant-turn
 index of each token (``-1`` on padding), the environment's reward after each turn (``N`` = most turns in the
 batch, 0 past an episode's turns), the number of turns of each episode, and an id of the environment state
 seen at the start of each turn (``-1`` past the turns). It receives only those its signature names."""
@@ -309,8 +309,9 @@ class Algorithm:
     """verl 0.9.1's bypass mode (docs/algo/rollout_corr.md), one of ``BYPASS_MODES``; None = off. The sampler's
     log-probs serve as ``old_logp`` (the session runs no old-policy forward, unless the advantage reads ``Σ_v π_v²``:
     OTB) and ``correction`` runs inside ``actor_loss``, per micro-batch, on ``log ρ = sg(logp) - sampler_logp``.
-    "ppo_clip": the loss on the tokens the correction's rejection keeps, without IS weights (its ratio ``π_θ/π_sampler`` already is one). "reinforce":
-    ``L = -A·logp·w``, ``w`` the correction's truncated IS weights (the ``gpg`` loss, which this mode requires)."""
+    "ppo_clip": the loss on the tokens the correction's rejection keeps, without IS weights (its ratio
+    ``π_θ/π_sampler`` already is one). "reinforce": ``L = -A·logp·w``, ``w`` the correction's truncated IS weights
+    (the ``gpg`` loss, which this mode requires)."""
     description: str = ""
     """One line for humans."""
 
@@ -436,8 +437,8 @@ class Algorithm:
         """This algorithm's settings, then the formulas, papers and hyperparameters of its parts."""
         parts = [repr(self), _describe_fn(self.advantage, "advantage"), _describe_fn(self.loss, "loss")]
         if self.bypass is not None:
-            parts.append(f"bypass mode {self.bypass!r} (verl 0.9.1, docs/algo/rollout_corr.md): old_logp = sampler_logp "
-                         f"(no old-policy forward); log ρ = sg(logp) - sampler_logp drives the correction in the loss; "
+            parts.append(f"bypass mode {self.bypass!r} (verl 0.9.1, docs/algo/rollout_corr.md): old_logp = "
+                         f"sampler_logp (no old-policy forward); log ρ = sg(logp) - sampler_logp drives the correction in the loss; "
                          + ("L = -A·logp·w, w the correction's truncated IS weights" if self.bypass == "reinforce" else
                             "the loss on the tokens the correction's rejection keeps, no IS weights"))
         return "\n\n".join(parts + ([] if self.correction is None else [_describe_correction(self.correction)]))
