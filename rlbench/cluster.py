@@ -128,12 +128,12 @@ class WorkerGroup:
         return futures[rank]
 
     def map_rows(self, name: str, method: Callable, batch: Batch, **kwargs) -> Pending:
-        """Split rows across ranks (balanced by tokens) and start the call; its result puts the `[rows, T]`
-        results back in the batch's row order (zero-padded to the widest)."""
+        """Split rows across ranks (balanced by tokens) and start the call; its result puts the `[rows, T]` (or
+        `[rows, T, k]`) results back in the batch's row order (zero-padded to the widest)."""
         index = balance(batch, self.size)
 
         def merge(parts: list[torch.Tensor]) -> torch.Tensor:
-            out = parts[0].new_zeros((len(batch), max(p.shape[1] for p in parts)))
+            out = parts[0].new_zeros((len(batch), max(p.shape[1] for p in parts), *parts[0].shape[2:]))
             for rows, part in zip(index, parts):
                 out[torch.tensor(rows, dtype=torch.long), : part.shape[1]] = part
             return out

@@ -70,6 +70,9 @@ def check_algorithm(cfg: Config, algorithm: Algorithm) -> None:
     if cfg.on_policy_old_logp and (algorithm.correction is not None or algorithm.reward_kl_coef):
         raise ValueError(f"on_policy_old_logp: algorithm {algorithm.name!r} reads old_logp before the update "
                          "(rollout correction or KL in the reward)")
+    if cfg.on_policy_old_logp and algorithm.needs_sum_pi2:
+        raise ValueError(f"on_policy_old_logp: algorithm {algorithm.name!r} reads Σ_v π_v² per token (OTB), which the "
+                         f"old-policy forward computes before the update: drop on_policy_old_logp")
     if cfg.samples_per_prompt == 1 and "group_ids" in algorithms.declared(algorithm.advantage, {"group_ids": 0}):
         raise ValueError(f"samples_per_prompt=1: algorithm {algorithm.name!r} compares the samples of a prompt (its "
                          f"advantage declares group_ids), and one sample has none to compare with (GRPO would train "

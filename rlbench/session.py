@@ -167,13 +167,19 @@ class Session:
         with self._timed("advantage"):
             mask_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
             columns, meta, started = {}, {}, {}
-            if cfg.rollout_mode != "sync" and algorithm.correction is None:  # sampled by older weights: PPO's old
-                columns["old_logp"] = batch["sampler_logp"]
-            elif not cfg.on_policy_old_logp:  # (else the update's own forward gives it)
+            sampler_is_old = algorithm.bypass or (cfg.rollout_mode != "sync" and algorithm.correction is None)
+            if sampler_is_old:
+                columns["old_logp"] = batch["sampler_logp"]  # bypass, or sampled by older weights: PPO's old
+            if algorithm.needs_sum_pi2:  # OTB: Σ_v π_v² per token, from the policy's log-prob forward (its weights)
+                started["old_logp+sum_pi2"] = self.policy.log_probs_sum_pi2_async(batch)
+            elif not sampler_is_old and not cfg.on_policy_old_logp:  # (else the update's own forward gives it)
                 started["old_logp"] = self.policy.log_probs_async(batch)
             if self.reference is not None:  # both started before either is waited for (on Ray: no idle round trip)
                 started["ref_logp"] = self.reference.log_probs_async(batch)
             columns |= {name: pending.result() for name, pending in started.items()}
+            if "old_logp+sum_pi2" in columns:
+                logp_B_T, columns["sum_pi2"] = (x.contiguous() for x in columns.pop("old_logp+sum_pi2").unbind(-1))
+                columns.setdefault("old_logp", logp_B_T)
             if self.critic is not None:
                 columns["values"] = self.critic.values(batch)
             rewards_B_T = algorithms.outcome_rewards(batch["reward"], mask_B_T)
@@ -182,7 +188,7 @@ class Session:
                     rewards_B_T, columns["old_logp"], columns["ref_logp"], mask_B_T, coef=self.state.reward_kl.coef,
                     kind=algorithm.reward_kl_estimator)
                 meta = {"reward_kl": float(batch_kl), "reward_kl_coef": self.state.reward_kl.coef}
-            if algorithm.correction is not None:
+            if algorithm.correction is not None and not algorithm.bypass:  # (bypass: the loss corrects)
                 weights_B_T, loss_mask_B_T, stats = algorithm.correction(columns["old_logp"], batch["sampler_logp"], mask_B_T)
                 loss_mask_B_T = loss_mask_B_T * mask_B_T.to(loss_mask_B_T.dtype)
                 columns |= {"correction_weights": weights_B_T, "loss_mask": loss_mask_B_T}
@@ -192,6 +198,7 @@ class Session:
                 rewards_B_T, columns.get("loss_mask", mask_B_T), group_ids=batch["group_ids"],
                 values_B_T=columns.get("values"),
                 baselines_B=batch.tensors.get("baseline_reward"), old_logp_B_T=columns.get("old_logp"),
+                sum_pi2_B_T=columns.get("sum_pi2"), is_weights_B_T=columns.get("correction_weights"),
                 reward_components_B_K=torch.stack([batch[k] for k in components], -1) if components else None,
                 turn_B_T=batch.tensors.get("turn"), turn_rewards_B_N=batch.tensors.get("turn_rewards"),
                 turns_B=batch.tensors.get("turns"), turn_state_B_N=batch.tensors.get("turn_state"))

@@ -47,6 +47,10 @@ class PolicyHandle:
         """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`)."""
         return self.workers.map_rows("policy", Policy.log_probs, batch)
 
+    def log_probs_sum_pi2_async(self, batch: Batch) -> Pending:
+        """The log-probs and `Σ_v π_v²` per response token from one forward, started: `.result()` gives `[B, T, 2]`."""
+        return self.workers.map_rows("policy", Policy.log_probs_sum_pi2, batch)
+
     def forward_backward(self, batch: Batch, loss_fn: Algorithm | Callable | None = None) -> dict[str, float]:
         """Accumulate the gradient of a loss over `batch` (rows split across ranks) and return its terms.
 

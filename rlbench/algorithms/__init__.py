@@ -25,6 +25,7 @@ from .core import (
     outcome_rewards,
     ratio,
     token_logp,
+    token_logp_and_sum_pi2,
     kl,
     kl_in_reward,
     masked_mean,
@@ -35,6 +36,7 @@ from .core import (
 from .correction import Rejection, RolloutCorrection, mismatch_metrics
 from .registry import (
     ADVANTAGE_DATA,
+    BYPASS_MODES,
     LOSS_DATA,
     Algorithm,
     advantage_fn,
@@ -55,6 +57,7 @@ from .sampling import filter_groups, overlong_penalty
 
 __all__ = [
     "ADVANTAGE_DATA",
+    "BYPASS_MODES",
     "LOSS_DATA",
     "KL_KINDS",
     "REDUCTIONS",
@@ -88,6 +91,7 @@ __all__ = [
     "register_correction",
     "register_loss",
     "token_logp",
+    "token_logp_and_sum_pi2",
     "value_loss",
 ]
 

@@ -2,15 +2,16 @@
 
 Every estimator has the signature ``f(rewards_B_T, mask_B_T, *, <data keywords it uses>, **hparams) ->
 (advantages_B_T, returns_B_T)``; it declares only the data it reads (``registry.ADVANTAGE_DATA``: ``group_ids``,
-``values_B_T``, ``baselines_B``, ``old_logp_B_T``, ``reward_components_B_K``, and the per-turn data of agentic
-tasks that ``turns.py`` reads) and receives only those. Rewards are token-level: an outcome score sits on the
-last valid token, so ``s_i = rewards_B_T.sum(-1)``. ``group_ids`` (``[B]``, any integers) marks the samples of
-one prompt. Outputs are 0 on invalid tokens; outcome estimators return the advantages as returns (verl's
-convention).
+``values_B_T``, ``baselines_B``, ``old_logp_B_T``, ``reward_components_B_K``, ``sum_pi2_B_T`` and ``is_weights_B_T``
+that ``otb.py`` reads, and the per-turn data of agentic tasks that ``turns.py`` reads) and receives only those.
+Rewards are token-level: an outcome score sits on the last valid token, so ``s_i = rewards_B_T.sum(-1)``.
+``group_ids`` (``[B]``, any integers) marks the samples of one prompt. Outputs are 0 on invalid tokens; outcome
+estimators return the advantages as returns (verl's convention).
 
 The mask may have holes (a multi-turn episode's loss mask is 0 on tool output between sampled turns). A hole
 is not a step: every estimator gives on a holed row what it gives on the compacted row (the valid tokens
-only, contiguous), scattered back, with 0 on the holes. Rewards must sit on valid tokens (``outcome_rewards``
+only, contiguous), scattered back, with 0 on the holes; except ``otb``, which aligns raw positions across a
+group as verl's does (``tir_otb`` is its form for holed masks). Rewards must sit on valid tokens (``outcome_rewards``
 and ``kl_in_reward`` put them there).
 """
 

@@ -21,6 +21,14 @@ def token_logp(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tenso
     return logits_B_T_V.gather(-1, ids_B_T[..., None]).squeeze(-1) - logits_B_T_V.logsumexp(-1)
 
 
+def token_logp_and_sum_pi2(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logp`` and ``Σ_v π_v² = exp(logsumexp(2z) - 2·logsumexp(z))`` per token (OTB's input), from one
+    ``logsumexp(z)``; the probabilities ``[B, T, V]`` are never materialised (only ``2z``, once)."""
+    lse_B_T = logits_B_T_V.logsumexp(-1)
+    logp_B_T = logits_B_T_V.gather(-1, ids_B_T[..., None]).squeeze(-1) - lse_B_T
+    return logp_B_T, torch.exp((2 * logits_B_T_V).logsumexp(-1) - 2 * lse_B_T)
+
+
 def ratio(logp_B_T: torch.Tensor, old_logp_B_T: torch.Tensor, max_log_ratio: float = 20.0) -> torch.Tensor:
     """The importance ratio ``r = exp(clamp(logp - old_logp, ±max_log_ratio))`` (the clamp keeps it finite)."""
     return torch.exp(torch.clamp(logp_B_T - old_logp_B_T, -max_log_ratio, max_log_ratio))

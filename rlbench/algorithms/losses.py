@@ -291,3 +291,19 @@ def dppo_kl(
         (binary_kl_B_T <= threshold_low) | (prob_B_T >= old_prob_B_T),
     )
     return _dppo(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, weights_B_T, trusted_B_T, clip_c)
+
+
+@register_loss("dro")
+def dro(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None, beta: float):
+    """DRO: the policy gradient with a quadratic penalty on the log-ratio instead of a clip.
+
+        L = -(logp·A - ½β(logp - old_logp)²)         β > 0, required (no default)
+
+    Differs from ``gpg`` (``L = -A·logp``) by the penalty, which pulls logp back towards old_logp in
+    proportion to how far it moved (gradient ``-A + β(logp - old_logp)``). verl 0.9.1's ``dro`` policy loss;
+    Richemond et al., Offline Regularised RL for LLM Alignment (Direct Reward Optimisation), arXiv:2405.19107.
+    """
+    if not beta > 0:
+        raise ValueError(f"dro needs beta > 0 (the weight of the quadratic log-ratio penalty), got {beta}")
+    loss_B_T = -(logp_B_T * advantages_B_T - 0.5 * beta * (logp_B_T - old_logp_B_T) ** 2)
+    return _weighted(loss_B_T, weights_B_T), {"approx_kl": _approx_kl(logp_B_T, old_logp_B_T, mask_B_T)}

@@ -91,7 +91,6 @@ register_algorithm(
     description="DPPO (arXiv:2602.04879): total-variation trust region 0.15, ratio cap 20, GRPO advantage "
     "without std, seq-mean-token-sum-norm, no KL (verl's example).",
 )
-
 # agentic (multi-turn) tasks only: the estimators read per-turn data (`Algorithm.needs_turns`)
 register_algorithm(
     "mt_grpo", advantage="mt_grpo", loss="ppo_clip", reduction="seq-mean-token-mean", kl_coef=0.001,
@@ -137,4 +136,17 @@ register_correction(
     description="Geometric-mean rejection (verl 0.9.1 rollout_corr preset decoupled_geo_rs): no IS weights; a "
     "sequence is dropped unless -mean_t log ρ_t lies in [log 0.999, log 1.001], i.e. its geometric-mean ratio "
     "exp(mean_t log ρ_t) lies in [1/1.001, 1/0.999] (rollout_rs seq_mean_k1 \"0.999_1.001\").",
+)
+
+# bypass mode (ALGORITHMS.md §9): after the corrections, which grpo_bypass_pg names
+register_algorithm(
+    "grpo_bypass", advantage="grpo", loss="ppo_clip", reduction="seq-mean-token-mean", kl_coef=0.001, bypass="ppo_clip",
+    description="GRPO (arXiv:2402.03300) in verl 0.9.1's bypass mode (preset bypass_ppo_clip): the sampler's "
+    "log-probs are PPO's old policy, no old-policy forward; the clip ratio is pi_theta/pi_sampler, no IS weights.",
+)
+register_algorithm(
+    "grpo_bypass_pg", advantage="grpo", loss="gpg", reduction="seq-mean-token-mean", kl_coef=0.001,
+    bypass="reinforce", correction="token_tis",
+    description="GRPO's advantage (arXiv:2402.03300) in verl 0.9.1's bypass mode, REINFORCE variant: L = "
+    "-A·logp·w, w = min(pi_theta/pi_sampler, 2) per token (truncated IS), no old-policy forward.",
 )

@@ -23,13 +23,17 @@ from .correction import RolloutCorrection
 
 TURN_DATA = ("turn_B_T", "turn_rewards_B_N", "turns_B", "turn_state_B_N")
 """The advantage data only an agentic (multi-turn) task has."""
-ADVANTAGE_DATA = ("group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "reward_components_B_K", *TURN_DATA)
+ADVANTAGE_DATA = ("group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "reward_components_B_K", "sum_pi2_B_T",
+                  "is_weights_B_T", *TURN_DATA)
 """Data an advantage estimator may declare as keyword arguments: the prompt group of each sample, the critic's
 values, the greedy baseline's score, the log-probs of the policy that sampled, the per-sample reward
-components ``[B, K]`` (a reward that returns a dict); and, from an agentic (multi-turn) task, the assistant-turn
+components ``[B, K]`` (a reward that returns a dict), ``Σ_v π_v²`` per token (OTB), the rollout correction's
+detached importance weights (None without correction); and, from an agentic (multi-turn) task, the assistant-turn
 index of each token (``-1`` on padding), the environment's reward after each turn (``N`` = most turns in the
 batch, 0 past an episode's turns), the number of turns of each episode, and an id of the environment state
 seen at the start of each turn (``-1`` past the turns). It receives only those its signature names."""
+BYPASS_MODES = ("ppo_clip", "reinforce")
+"""``Algorithm.bypass``: verl 0.9.1's bypass-mode loss types (docs/algo/rollout_corr.md)."""
 LOSS_DATA = ("weights_B_T",)
 """Data a policy loss may declare: the detached rollout-correction weights."""
 DATA_KEYWORDS = frozenset(ADVANTAGE_DATA + LOSS_DATA)
@@ -189,7 +193,7 @@ def hyperparameters(fn: Callable) -> dict[str, object]:
 
 def _describe_fn(fn: Callable, kind: str) -> str:
     hparams = ", ".join(
-        name if default is inspect.Parameter.empty else f"{name}={default!r}"
+        f"{name} (required)" if default is inspect.Parameter.empty else f"{name}={default!r}"
         for name, default in hyperparameters(fn).items()
     )
     lines = [f"{_label(fn)} ({kind})", inspect.getdoc(fn) or "(no docstring)", f"Hyperparameters: {hparams or 'none'}"]
@@ -227,6 +231,13 @@ def describe(name: str | Callable | Algorithm | RolloutCorrection) -> str:
 
 
 def _check_kwargs(fn: Callable, kwargs: Mapping, what: str) -> None:
+    """``kwargs`` name only hyperparameters ``fn`` takes, and every hyperparameter without a default (DRO's β)."""
+    missing = [name for name, default in hyperparameters(fn).items()
+               if default is inspect.Parameter.empty and name not in kwargs]
+    if missing:
+        key = "loss_kwargs" if what == "loss" else "advantage_kwargs"
+        raise ValueError(f"{what} {_label(fn)!r} needs {', '.join(missing)} (no default): pass it in {key}, e.g. "
+                         f"{key}={{{missing[0]!r}: ...}}")
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return
@@ -294,6 +305,13 @@ class Algorithm:
     """Rollout correction for sampler/trainer mismatch: a ``RolloutCorrection``, or a registered name
     (``names("correction")``: "token_tis", "seq_tis", "icepop", "mis", "geo_reject") resolved at
     construction; None = off."""
+    bypass: str | None = None
+    """verl 0.9.1's bypass mode (docs/algo/rollout_corr.md), one of ``BYPASS_MODES``; None = off. The sampler's
+    log-probs serve as ``old_logp`` (the session runs no old-policy forward, unless the advantage reads ``Σ_v π_v²``:
+    OTB) and ``correction`` runs inside ``actor_loss``, per micro-batch, on ``log ρ = sg(logp) - sampler_logp``.
+    "ppo_clip": the loss on the tokens the correction's rejection keeps, without IS weights (its ratio
+    ``π_θ/π_sampler`` already is one). "reinforce": ``L = -A·logp·w``, ``w`` the correction's truncated IS weights
+    (the ``gpg`` loss, which this mode requires)."""
     description: str = ""
     """One line for humans."""
 
@@ -315,11 +333,28 @@ class Algorithm:
                              f"correction: add a weights_B_T=None keyword (multiply the per-token loss by it)")
         if self.max_filter_rounds < 0 or self.overlong_buffer < 0:
             raise ValueError("max_filter_rounds and overlong_buffer must be >= 0")
+        if self.bypass is not None:
+            self._check_bypass()
+
+    def _check_bypass(self) -> None:
+        _check_choice("bypass mode", self.bypass, BYPASS_MODES)
+        if self.bypass == "reinforce" and self.loss is not loss_fn("gpg"):
+            raise ValueError(f"bypass='reinforce' trains L = -A·logp·w, the gpg loss, not {_label(self.loss)!r}: set "
+                             f"loss='gpg', or bypass='ppo_clip' to keep this loss")
+        if self.correction is not None and self.correction.normalize:
+            raise ValueError("bypass mode computes the correction per micro-batch, where the batch mean of "
+                             "normalize=True is not known: use a correction with normalize=False")
 
     @property
     def needs_turns(self) -> bool:
         """Whether the advantage reads per-turn data (an agentic task's episodes), by name in its signature."""
         return any(name in inspect.signature(self.advantage).parameters for name in TURN_DATA)
+
+    @property
+    def needs_sum_pi2(self) -> bool:
+        """Whether the advantage reads ``Σ_v π_v²`` per token (OTB), by name in its signature: the old-policy
+        forward then also returns it (the batch's ``sum_pi2`` column)."""
+        return "sum_pi2_B_T" in inspect.signature(self.advantage).parameters
 
     @property
     def needs_reference(self) -> bool:
@@ -363,10 +398,16 @@ class Algorithm:
         """
         length = self.norm_length if norm_length is None else norm_length
         counts = dict(mode=self.reduction, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=length)
+        bypassed = {}
+        if self.bypass is not None:
+            if weights_B_T is not None:
+                raise ValueError(f"algorithm {self.name!r} is in bypass mode: it computes its correction weights "
+                                 f"itself (pass none)")
+            weights_B_T, mask_B_T, bypassed = self._bypass_correction(logp_B_T, old_logp_B_T, mask_B_T)
         data = {} if weights_B_T is None else {"weights_B_T": weights_B_T}
         loss_B_T, metrics = self.loss(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, **data, **self.loss_kwargs)
         loss = aggregate(loss_B_T, mask_B_T, **counts)
-        metrics = {**metrics, "pg_loss": loss.detach()}
+        metrics = {**metrics, **bypassed, "pg_loss": loss.detach()}
         if self.entropy_coef > 0 and entropy_B_T is None:
             raise ValueError(f"algorithm {self.name!r} has entropy_coef > 0: pass entropy_B_T")
         if entropy_B_T is not None:
@@ -381,9 +422,25 @@ class Algorithm:
             metrics["kl_loss"] = kl_loss.detach()
         return loss, metrics
 
+    def _bypass_correction(self, logp_B_T, sampler_logp_B_T, mask_B_T):
+        """Bypass mode: ``(weights_B_T or None, the mask to train on, metrics)`` from ``log ρ = sg(logp) -
+        sampler_logp``. "ppo_clip" keeps only the rejection mask; "reinforce" also the IS weights (1 without a
+        correction). Rejected tokens leave this micro-batch's mask; the global counts of the reduction are the
+        caller's (they keep the loss independent of the micro-batch split)."""
+        if self.correction is None:
+            weights_B_T, metrics = torch.ones_like(sampler_logp_B_T) * mask_B_T, {}
+        else:
+            weights_B_T, mask_B_T, metrics = self.correction(logp_B_T.detach(), sampler_logp_B_T, mask_B_T)
+        return (weights_B_T if self.bypass == "reinforce" else None), mask_B_T, metrics
+
     def describe(self) -> str:
         """This algorithm's settings, then the formulas, papers and hyperparameters of its parts."""
         parts = [repr(self), _describe_fn(self.advantage, "advantage"), _describe_fn(self.loss, "loss")]
+        if self.bypass is not None:
+            parts.append(f"bypass mode {self.bypass!r} (verl 0.9.1, docs/algo/rollout_corr.md): old_logp = "
+                         f"sampler_logp (no old-policy forward); log ρ = sg(logp) - sampler_logp drives the correction in the loss; "
+                         + ("L = -A·logp·w, w the correction's truncated IS weights" if self.bypass == "reinforce" else
+                            "the loss on the tokens the correction's rejection keeps, no IS weights"))
         return "\n\n".join(parts + ([] if self.correction is None else [_describe_correction(self.correction)]))
 
     def __repr__(self) -> str:

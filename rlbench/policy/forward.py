@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlbench.algorithms import token_logp
+from rlbench.algorithms import token_logp, token_logp_and_sum_pi2
 from rlbench.batch import Batch
 
 
@@ -287,19 +287,34 @@ def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: i
     return batch_outputs(logp, batch, micro_batch_tokens=micro_batch_tokens, world_size=world_size, device=device)
 
 
+def batch_logp_sum_pi2(model, batch: Batch, *, temperature: float, micro_batch_tokens: int, world_size: int = 1,
+                       device: str | torch.device = "cpu", attention: str = "auto") -> torch.Tensor:
+    """`batch_logp` and `Σ_v π_v²` of every response token from the same forward, `[B, T, 2]` on CPU."""
+    def logp_sum_pi2(micro: Batch) -> torch.Tensor:
+        logits_B_T_V = response_logits(model, micro, temperature, attention)
+        return torch.stack(token_logp_and_sum_pi2(logits_B_T_V, micro["response_ids"]), -1)
+    return batch_outputs(logp_sum_pi2, batch, micro_batch_tokens=micro_batch_tokens, world_size=world_size,
+                         device=device)
+
+
 @torch.no_grad()
 def batch_outputs(fn: Callable[[Batch], torch.Tensor], batch: Batch, *, micro_batch_tokens: int, world_size: int = 1,
                   device: str | torch.device = "cpu") -> torch.Tensor:
-    """`fn(micro)` (`[b, t]` per response token) over the batch's micro-batches, assembled into `[B, T]` on CPU
-    in fp32, 0 on padding: the one no-grad pass the policy's log-probs and the critic's values share."""
-    out_B_T = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
-    start = 0
+    """`fn(micro)` (`[b, t]` per response token, or `[b, t, k]`) over the batch's micro-batches, assembled into
+    `[B, T]` (`[B, T, k]`) on CPU in fp32, 0 on padding: the one no-grad pass the policy's log-probs and the
+    critic's values share."""
+    out_B_T, start = None, 0
     for micro in rank_micro_batches(batch, micro_batch_tokens, world_size):
         micro = micro.trimmed().to(device)
         part_b_t = fn(micro)
+        if out_B_T is None:
+            out_B_T = torch.zeros((*batch["response_ids"].shape, *part_b_t.shape[2:]), dtype=torch.float32)
         out_B_T[start : start + len(micro), : part_b_t.shape[1]] = part_b_t.float().cpu()
         start += len(micro)
-    return out_B_T * batch["response_mask"]
+    if out_B_T is None:  # no rows
+        return torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+    mask_B_T = batch["response_mask"]
+    return out_B_T * mask_B_T.reshape(*mask_B_T.shape, *[1] * (out_B_T.dim() - 2))
 
 
 def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:

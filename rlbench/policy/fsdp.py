@@ -20,7 +20,7 @@ from rlbench import lora as lora_adapters
 from rlbench import models
 from rlbench.batch import Batch
 from rlbench.policy import checkpoint
-from rlbench.policy.forward import batch_logp, rank_micro_batches, response_logits
+from rlbench.policy.forward import batch_logp, batch_logp_sum_pi2, rank_micro_batches, response_logits
 from rlbench.policy.training import (OptimSettings, Optimizer, autocast, backward, checkpoint_blocks, full_state_dict,
                                      init_process_group, shard, use_precision)
 
@@ -71,6 +71,13 @@ class Policy:
         with autocast(self.precision, self.device):
             return batch_logp(self.model, batch, temperature=self.temperature, micro_batch_tokens=self.micro_batch_tokens,
                               world_size=self.world_size, device=self.device, attention=self.attention)
+
+    def log_probs_sum_pi2(self, batch: Batch) -> torch.Tensor:
+        """`log_probs` and `Σ_v π_v²` per response token from the same forward, `[B, T, 2]` (what OTB reads)."""
+        with autocast(self.precision, self.device):
+            return batch_logp_sum_pi2(self.model, batch, temperature=self.temperature,
+                                      micro_batch_tokens=self.micro_batch_tokens, world_size=self.world_size,
+                                      device=self.device, attention=self.attention)
 
     def reference_log_probs(self, batch: Batch) -> torch.Tensor:
         """Under LoRA, the reference policy's log-probs `[B, T]`: this model with its adapter off, which is

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlbench.algorithms import aggregate, loss_fn, loss_reduction
+from rlbench.algorithms import aggregate, get, loss_fn, loss_reduction
 
 
 def tokens(old_logp, ratios):
@@ -204,3 +204,34 @@ def test_dppo_kl_uses_the_binary_kl():
     expected = [[-1.2 * math.log(0.6), 0.0, 0.8 * math.log(0.4), 0.0, -0.2 * math.log(0.1)]]
     torch.testing.assert_close(loss_B_T, torch.tensor(expected))
     assert metrics["clip_frac"].item() == pytest.approx(0.4)
+
+
+def test_dro_quadratic_penalty_on_the_log_ratio():
+    # β = 0.5, L = -(logp·A - ½β(logp - old_logp)²), dL/dlogp = -A + β(logp - old_logp)
+    # token 0: logp -1, old -1.5, A 2:  Δ = 0.5:  L = -(-2 - 0.25·0.25) = 2.0625;  grad = -2 + 0.25 = -1.75
+    # token 1: logp -2, old -1, A -1:   Δ = -1:   L = -(2 - 0.25·1) = -1.75;      grad = 1 - 0.5 = 0.5
+    # token 2: masked (its loss is still computed; the reduction drops it)
+    logp_B_T = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    old_logp_B_T = torch.tensor([[-1.5, -1.0, -3.0]])
+    adv_B_T = torch.tensor([[2.0, -1.0, 5.0]])
+    mask_B_T = torch.tensor([[1, 1, 0]])
+    loss_B_T, metrics = loss_fn("dro")(logp_B_T, old_logp_B_T, adv_B_T, mask_B_T, beta=0.5)
+    torch.testing.assert_close(loss_B_T[:, :2], torch.tensor([[2.0625, -1.75]]))
+    (loss_B_T * mask_B_T).sum().backward()
+    torch.testing.assert_close(logp_B_T.grad, torch.tensor([[-1.75, 0.5, 0.0]]))
+    assert metrics["approx_kl"].item() == pytest.approx(0.25)  # mean(old - logp) = (-0.5 + 1) / 2
+    weighted_B_T, _ = loss_fn("dro")(logp_B_T, old_logp_B_T, adv_B_T, mask_B_T, beta=0.5,
+                                     weights_B_T=torch.tensor([[2.0, 0.5, 1.0]]))
+    torch.testing.assert_close(weighted_B_T[:, :2], torch.tensor([[4.125, -0.875]]))
+
+
+def test_dro_needs_a_positive_beta():
+    with pytest.raises(ValueError, match=r"loss 'dro' needs beta \(no default\): pass it in loss_kwargs"):
+        get("grpo").replace(name="dro", loss="dro")
+    with pytest.raises(TypeError, match="beta"):
+        loss_fn("dro")(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK)
+    for beta in (0.0, -0.1):
+        with pytest.raises(ValueError, match="dro needs beta > 0"):
+            loss_fn("dro")(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK, beta=beta)
+    algorithm = get("grpo").replace(name="dro", loss="dro", loss_kwargs={"beta": 0.1})
+    assert "loss_kwargs={'beta': 0.1}" in repr(algorithm) and "Hyperparameters: beta (required)" in algorithm.describe()

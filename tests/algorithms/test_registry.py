@@ -39,11 +39,11 @@ def test_names():
     assert names() == sorted(names())
     assert {"grpo", "dapo", "ppo", "dppo"} <= set(names("algorithm"))
     assert set(names("advantage")) == {
-        "gae", "gdpo", "gigpo", "gpg", "grpo", "grpo_passk", "mt_grpo", "opo", "reinforce_plus_plus",
-        "reinforce_plus_plus_baseline", "remax", "rloo", "turn_rloo",
+        "gae", "gdpo", "gigpo", "gpg", "grpo", "grpo_passk", "mt_grpo", "opo", "otb", "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline", "remax", "rloo", "tir_otb", "turn_rloo",
     }
     assert set(names("loss")) == {
-        "cispo", "clip_cov", "dppo_kl", "dppo_tv", "gmpo", "gpg", "gspo", "kl_cov", "ppo_clip", "sapo",
+        "cispo", "clip_cov", "dppo_kl", "dppo_tv", "dro", "gmpo", "gpg", "gspo", "kl_cov", "ppo_clip", "sapo",
     }
     with pytest.raises(ValueError, match="valid: algorithm, advantage, loss"):
         names("losses")
