@@ -325,7 +325,9 @@ def test_one_runs_threads_do_not_starve_another_run(mode):
 
 
 def test_memory_is_limited_for_the_run_as_a_whole():
-    """Six processes each touching 100 MB: with a cgroup the run holds at most memory_mb + disk_mb."""
+    """Six processes each touching 100 MB for 3 s at the same time: with a cgroup the run holds at most memory_mb +
+    disk_mb, so at most one of them lives through its 3 s (one may hold its block, print, and still be killed when
+    another takes memory: each reports after its wait)."""
     if not sandbox_info()["cgroup"]:
         pytest.skip(f"no cgroup here ({MODE!r} mode): memory is limited per process only")
     code = """
@@ -335,8 +337,8 @@ for _ in range(6):
     pid = os.fork()
     if pid == 0:
         block = b'x' * (100 << 20)
-        print('held', flush=True)
         import time; time.sleep(3)
+        print('held', flush=True)
         os._exit(0)
     children.append(pid)
 for pid in children:
