@@ -100,7 +100,7 @@ def wrap(model: torch.nn.Module, lora: LoRA, seed: int = 0) -> torch.nn.Module:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if ".lora_A." in name:
+            if ".lora_A." in name and not p.is_meta:  # (a model on the meta device only has shapes)
                 bound = p.shape[1] ** -0.5
                 p.copy_(torch.rand(p.shape, generator=generator, dtype=p.dtype) * (2 * bound) - bound)
     return model

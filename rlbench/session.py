@@ -171,7 +171,7 @@ class Session:
             if sampler_is_old:
                 columns["old_logp"] = batch["sampler_logp"]  # bypass, or sampled by older weights: PPO's old
             if algorithm.needs_sum_pi2:  # OTB: Σ_v π_v² per token, from the policy's log-prob forward (its weights)
-                started["old_logp+sum_pi2"] = self.policy.log_probs_sum_pi2_async(batch)
+                started["old_logp+sum_pi2"] = self.policy.log_probs_async(batch, sum_pi2=True)
             elif not sampler_is_old and not cfg.on_policy_old_logp:  # (else the update's own forward gives it)
                 started["old_logp"] = self.policy.log_probs_async(batch)
             if self.reference is not None:  # both started before either is waited for (on Ray: no idle round trip)

@@ -43,13 +43,10 @@ class PolicyHandle:
         """Log-probs `[B, T]` of the batch's responses under the current weights (rows split across ranks)."""
         return self.log_probs_async(batch).result()
 
-    def log_probs_async(self, batch: Batch) -> Pending:
-        """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`)."""
-        return self.workers.map_rows("policy", Policy.log_probs, batch)
-
-    def log_probs_sum_pi2_async(self, batch: Batch) -> Pending:
-        """The log-probs and `Σ_v π_v²` per response token from one forward, started: `.result()` gives `[B, T, 2]`."""
-        return self.workers.map_rows("policy", Policy.log_probs_sum_pi2, batch)
+    def log_probs_async(self, batch: Batch, sum_pi2: bool = False) -> Pending:
+        """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`);
+        with `sum_pi2`, `[B, T, 2]`: and `Σ_v π_v²` per response token from the same forward."""
+        return self.workers.map_rows("policy", Policy.log_probs, batch, sum_pi2=sum_pi2)
 
     def forward_backward(self, batch: Batch, loss_fn: Algorithm | Callable | None = None) -> dict[str, float]:
         """Accumulate the gradient of a loss over `batch` (rows split across ranks) and return its terms.

@@ -13,7 +13,8 @@ SMALL = dict(model="tiny-arith", task="arithmetic", cluster="inline", prompts_pe
 def old_policy_forwards(session, monkeypatch) -> list:
     """The calls of the policy's log-prob forward (the old-policy forward of `advantage()`) from now on."""
     calls, forward = [], session.policy.log_probs_async
-    monkeypatch.setattr(session.policy, "log_probs_async", lambda batch: calls.append(len(batch)) or forward(batch))
+    monkeypatch.setattr(session.policy, "log_probs_async",
+                        lambda batch, sum_pi2=False: calls.append((len(batch), sum_pi2)) or forward(batch, sum_pi2))
     return calls
 
 
@@ -36,18 +37,16 @@ def test_without_bypass_the_old_policy_forward_runs(tiny_dir, monkeypatch):
         calls = old_policy_forwards(s, monkeypatch)
         s.step()
         batch = s.last_batch
-    assert calls == [len(batch)] and not torch.equal(batch["old_logp"], batch["sampler_logp"])
+    assert calls == [(len(batch), False)] and not torch.equal(batch["old_logp"], batch["sampler_logp"])
 
 
 def test_otb_reads_sum_pi2_from_the_old_policy_forward(tiny_dir, monkeypatch):
     algorithm = rl.algorithms.get("grpo").replace(name="otb", advantage="otb", kl_coef=0.0)
     with rl.Session(**SMALL, algorithm=algorithm) as s:
-        plain = old_policy_forwards(s, monkeypatch)
-        combined, forward = [], s.policy.log_probs_sum_pi2_async
-        monkeypatch.setattr(s.policy, "log_probs_sum_pi2_async", lambda b: combined.append(len(b)) or forward(b))
+        calls = old_policy_forwards(s, monkeypatch)
         s.step()
         batch = s.last_batch
-    assert plain == [] and combined == [len(batch)]  # one forward gives both
+    assert calls == [(len(batch), True)]  # one forward gives both
     mask = batch["response_mask"].bool()
     pi2_B_T, sum_pi2_B_T = batch["old_logp"].exp() ** 2, batch["sum_pi2"]
     assert (sum_pi2_B_T[mask] >= pi2_B_T[mask] - 1e-5).all() and (sum_pi2_B_T[mask] <= 1 + 1e-5).all()

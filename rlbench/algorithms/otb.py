@@ -18,7 +18,7 @@ def _energy(mask_B_T, old_logp_B_T, sum_pi2_B_T, is_weights_B_T, name: str) -> t
     """Per-token ``w_t = (1 - 2π_t + Σ_v π_v²)·ρ̄_t²`` (ρ̄ = 1 without IS weights), 0 on invalid tokens."""
     if sum_pi2_B_T is None or old_logp_B_T is None:
         raise ValueError(f"{name} needs sum_pi2_B_T (Σ_v π_v² per token, from the policy's old-log-prob forward: "
-                         f"Policy.log_probs_sum_pi2; a session computes it when Algorithm.needs_sum_pi2) and "
+                         f"Policy.log_probs(batch, sum_pi2=True); a session computes it when Algorithm.needs_sum_pi2) and "
                          f"old_logp_B_T")
     w_B_T = 1 - 2 * old_logp_B_T.exp() + sum_pi2_B_T
     if is_weights_B_T is not None:

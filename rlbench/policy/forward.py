@@ -280,21 +280,15 @@ def response_logits(model, batch: Batch, temperature: float = 1.0, attention: st
 
 
 def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: int, world_size: int = 1,
-               device: str | torch.device = "cpu", attention: str = "auto") -> torch.Tensor:
-    """Log-probs of every response token of `batch`, `[B, T]` on CPU (0 on padding), in micro-batches."""
+               device: str | torch.device = "cpu", attention: str = "auto", sum_pi2: bool = False) -> torch.Tensor:
+    """Log-probs of every response token of `batch`, `[B, T]` on CPU (0 on padding), in micro-batches; with
+    `sum_pi2`, `[B, T, 2]`: the log-probs and `Σ_v π_v²` of each token from the same forward (what OTB reads)."""
     def logp(micro: Batch) -> torch.Tensor:
-        return token_logp(response_logits(model, micro, temperature, attention), micro["response_ids"])
-    return batch_outputs(logp, batch, micro_batch_tokens=micro_batch_tokens, world_size=world_size, device=device)
-
-
-def batch_logp_sum_pi2(model, batch: Batch, *, temperature: float, micro_batch_tokens: int, world_size: int = 1,
-                       device: str | torch.device = "cpu", attention: str = "auto") -> torch.Tensor:
-    """`batch_logp` and `Σ_v π_v²` of every response token from the same forward, `[B, T, 2]` on CPU."""
-    def logp_sum_pi2(micro: Batch) -> torch.Tensor:
         logits_B_T_V = response_logits(model, micro, temperature, attention)
-        return torch.stack(token_logp_and_sum_pi2(logits_B_T_V, micro["response_ids"]), -1)
-    return batch_outputs(logp_sum_pi2, batch, micro_batch_tokens=micro_batch_tokens, world_size=world_size,
-                         device=device)
+        if sum_pi2:
+            return torch.stack(token_logp_and_sum_pi2(logits_B_T_V, micro["response_ids"]), -1)
+        return token_logp(logits_B_T_V, micro["response_ids"])
+    return batch_outputs(logp, batch, micro_batch_tokens=micro_batch_tokens, world_size=world_size, device=device)
 
 
 @torch.no_grad()

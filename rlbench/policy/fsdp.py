@@ -20,7 +20,7 @@ from rlbench import lora as lora_adapters
 from rlbench import models
 from rlbench.batch import Batch
 from rlbench.policy import checkpoint
-from rlbench.policy.forward import batch_logp, batch_logp_sum_pi2, rank_micro_batches, response_logits
+from rlbench.policy.forward import batch_logp, rank_micro_batches, response_logits
 from rlbench.policy.training import (OptimSettings, Optimizer, autocast, backward, checkpoint_blocks, full_state_dict,
                                      init_process_group, shard, use_precision)
 
@@ -66,18 +66,12 @@ class Policy:
         there: the backward runs without holding Python's GIL."""
         self.before_backward = fn
 
-    def log_probs(self, batch: Batch) -> torch.Tensor:
-        """Log-probs `[B, T]` of the batch's responses under the current weights (no gradient)."""
+    def log_probs(self, batch: Batch, sum_pi2: bool = False) -> torch.Tensor:
+        """Log-probs `[B, T]` of the batch's responses under the current weights (no gradient); with `sum_pi2`,
+        `[B, T, 2]`: and `Σ_v π_v²` per response token from the same forward (what OTB reads)."""
         with autocast(self.precision, self.device):
             return batch_logp(self.model, batch, temperature=self.temperature, micro_batch_tokens=self.micro_batch_tokens,
-                              world_size=self.world_size, device=self.device, attention=self.attention)
-
-    def log_probs_sum_pi2(self, batch: Batch) -> torch.Tensor:
-        """`log_probs` and `Σ_v π_v²` per response token from the same forward, `[B, T, 2]` (what OTB reads)."""
-        with autocast(self.precision, self.device):
-            return batch_logp_sum_pi2(self.model, batch, temperature=self.temperature,
-                                      micro_batch_tokens=self.micro_batch_tokens, world_size=self.world_size,
-                                      device=self.device, attention=self.attention)
+                              world_size=self.world_size, device=self.device, attention=self.attention, sum_pi2=sum_pi2)
 
     def reference_log_probs(self, batch: Batch) -> torch.Tensor:
         """Under LoRA, the reference policy's log-probs `[B, T]`: this model with its adapter off, which is
