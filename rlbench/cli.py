@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from rlbench import recipes
+from rlbench import algorithms, recipes
 from rlbench.lora import LoRA
 
 LEADERBOARD_SPEC = "algorithms/leaderboard.toml"
@@ -202,9 +202,12 @@ def leaderboard(args) -> int:
 
 
 def run_leaderboard(spec: recipes.Leaderboard) -> list[dict]:
-    """One row per (task, preset, seed); with more than one worker, runs spread over Ray tasks of 1 CPU each."""
+    """One row per (task, preset, seed); with more than one worker, runs spread over Ray tasks of 1 CPU each. A
+    preset that distils from a teacher runs on the tasks whose settings name one (`teacher`: only those presets get
+    it), and is left out of the others (`leaderboard_markdown` says so)."""
     jobs = [(label, spec.tasks[label], preset, seed, spec.steps, spec.reward_at)
-            for label in spec.tasks for preset in spec.presets for seed in spec.seeds]
+            for label in spec.tasks for preset in spec.presets for seed in spec.seeds
+            if not needs_missing_teacher(spec.tasks[label], preset)]
 
     def report(done: int, row: dict) -> None:
         print(f"[{done}/{len(jobs)}] {row['task']} {row['preset']} seed {row['seed']}: greedy {row['before']:.3f} -> "
@@ -234,11 +237,19 @@ def run_leaderboard(spec: recipes.Leaderboard) -> list[dict]:
         release_ray()
 
 
+def needs_missing_teacher(settings: dict, preset: str) -> bool:
+    """Whether the preset distils from a teacher and the task's settings name none."""
+    return algorithms.get(preset).needs_teacher and not settings.get("teacher")
+
+
 def leaderboard_run(label: str, settings: dict, preset: str, seed: int, steps: int, reward_at: int) -> dict:
-    """One leaderboard cell: held-out greedy accuracy before and after `steps` steps, rewards, time, tokens."""
+    """One leaderboard cell: held-out greedy accuracy before and after `steps` steps, rewards, time, tokens. The
+    task's `teacher` goes only to a preset that distils from one (the others would compute its log-probs unused)."""
     import rlbench as rl
 
     start = time.perf_counter()
+    if not algorithms.get(preset).needs_teacher:
+        settings = {k: v for k, v in settings.items() if k != "teacher"}
     kwargs = {"cluster": "inline", "threads": 1, "log_dir": None} | settings | {"algorithm": preset, "seed": seed}
     session = rl.Session(**recipes.session_kwargs(kwargs))
     before = session.evaluate()["greedy_accuracy"]
@@ -272,8 +283,12 @@ def leaderboard_markdown(rows: list[dict], spec: recipes.Leaderboard, *, command
         "as how fast each preset starts to learn, not as a ranking of the methods at scale.", ""]
     for label, settings in spec.tasks.items():
         table = frame[frame["task"] == label]
+        skipped = [preset for preset in spec.presets if needs_missing_teacher(settings, preset)]
         lines += [f"## {label}", "", "Settings: " + ", ".join(f"`{k}={v!r}`" for k, v in settings.items())
-                  + f"; before training: greedy accuracy {table['before'].mean():.3f}.", "",
+                  + f"; before training: greedy accuracy {table['before'].mean():.3f}."
+                  + (" `teacher` goes only to the distilling presets." if settings.get("teacher") else "")
+                  + (f" Not run: {', '.join(skipped)} (they distil from a teacher, and this task names none)."
+                     if skipped else ""), "",
                   f"| preset | greedy accuracy | sampled accuracy | {' | '.join(rewards)} | wall s / run "
                   "| tokens / run |",
                   "|---|---|---|" + "---|" * len(rewards) + "---|---|"]

@@ -24,7 +24,8 @@ from rlbench.lora import LoRA
 @dataclass
 class Config:
     model: str = "tiny-arith"
-    """A built-in model name (`rl.models.names()`: tiny-arith, tiny-mix, tiny-tools) or a local Hugging Face model directory."""
+    """A built-in model name (`rl.models.names()`: tiny-arith, tiny-arith-small, tiny-mix, tiny-tools, tiny-arith-grpo) or
+    a local Hugging Face model directory."""
     task: Any = "arithmetic"
     """A built-in task name (`rl.tasks.names()`) or any object following the `rl.tasks.Task` protocol."""
     algorithm: Any = "grpo"
@@ -52,8 +53,8 @@ class Config:
     world_size: int = 1
     """Number of FSDP2 ranks of the policy (more than 1 needs Ray)."""
     placement: str = "colocated"
-    """Reference and critic ranks: "colocated" in the policy's rank processes, or "separate" worker groups (under
-    LoRA the reference is always the policy's ranks with the adapter off)."""
+    """Reference, teacher and critic ranks: "colocated" in the policy's rank processes, or "separate" worker groups
+    (under LoRA the reference is always the policy's ranks with the adapter off)."""
     device: str = "auto"
     """"cpu" (gloo), "cuda" (NCCL; one GPU per policy rank and one for the sampler on Ray), or "auto"
     (cuda when available)."""
@@ -120,6 +121,13 @@ class Config:
     table of the same keys; None: every weight trains). Only the adapter trains and sits in the optimizer; the
     reference policy is the policy with the adapter off; weight syncs and checkpoints carry the adapter alone;
     `export()` writes the merged model or, with `adapter=True`, the adapter in peft's format (`rlbench/lora.py`)."""
+    teacher: str | None = None
+    """On-policy distillation: a frozen teacher that scores the policy's own samples (`teacher_logp` per token, and
+    its top-k distribution when the algorithm has forward_kl_coef): a built-in model name or a local Hugging Face
+    model directory whose tokenizer is the policy's (the first differing token is named otherwise). Placed like the
+    reference (placement: in the policy's rank processes, or a worker group of its own); never trained nor kept in
+    checkpoints. Algorithms "opd" and "grpo_opd" need one (`rlbench/algorithms/distill.py`); with any other it
+    adds `teacher_logp` and the `teacher_kl` metric."""
     on_policy_old_logp: bool = False
     """Skip the separate `old_logp` forward of `advantage()`: the update uses its own detached log-probs as
     `old_logp` (the same numbers, since the weights that update are the ones that sampled: ratio exactly 1)
@@ -377,7 +385,7 @@ def make_config(**kwargs) -> Config:
     unknown = sorted(set(kwargs) - set(Config.fields()))
     if unknown:
         raise TypeError(f"unknown Session argument(s) {unknown}; valid: {', '.join(Config.fields())}")
-    paths = {k: os.fspath(v) for k, v in kwargs.items() if isinstance(v, os.PathLike)}  # model, log_dir, save_dir
+    paths = {k: os.fspath(v) for k, v in kwargs.items() if isinstance(v, os.PathLike)}  # model, teacher, log_dir, save_dir
     if kwargs.get("overlap_rollout") and "rollout_mode" not in kwargs:  # the former name
         paths["rollout_mode"] = "overlap"
     if kwargs.get("rollout_mode") == "overlap":

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from rlbench.algorithms import mismatch_metrics
+from rlbench.algorithms import masked_mean, mismatch_metrics
 from rlbench.batch import Batch
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
     """Per-step summaries of a scored, advantaged batch (and its whole-batch numeric `meta` values). The
     sampler-vs-trainer mismatch (`sampler_mismatch_*`, `sampler_kl*`, `sampler_ratio_*`) is here when the batch
-    has `old_logp`; with `on_policy_old_logp` the update's forward reports it."""
+    has `old_logp`; with `on_policy_old_logp` the update's forward reports it. With a teacher, `teacher_kl`: the mean
+    of `logπ_student - logπ_teacher` over sampled tokens (k1 of the reverse KL that distillation lowers)."""
     mask_B_T = batch["response_mask"].float()
     sampled_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
     valid = sampled_B_T.sum().clamp(min=1)
     mismatch = {}
     if "old_logp" in batch:
         mismatch = {k: float(v) for k, v in mismatch_metrics(batch["old_logp"], batch["sampler_logp"], sampled_B_T).items()}
+    if "teacher_logp" in batch:  # on-policy distillation: the reverse KL to the teacher per sampled token (k1)
+        student_B_T = batch.tensors.get("old_logp", batch["sampler_logp"])
+        mismatch["teacher_kl"] = float(masked_mean(student_B_T - batch["teacher_logp"], sampled_B_T))
     return {
         "reward_mean": float(batch["reward"].mean()),
         "reward_std": float(batch["reward"].std()) if len(batch) > 1 else 0.0,

@@ -36,6 +36,17 @@ def prepare(cfg: Config, algorithm: Algorithm):
     return task, model_dir, tokenizer
 
 
+def teacher(cfg: Config, tokenizer) -> str | None:
+    """The teacher's model directory (None without `teacher=`): its tokenizer is the policy's, and its context holds
+    what the policy's does."""
+    if cfg.teacher is None:
+        return None
+    teacher_dir = str(models.resolve(cfg.teacher))
+    models.check_same_tokenizer(tokenizer, models.load_tokenizer(teacher_dir), teacher_dir, "teacher")
+    models.check_fits(teacher_dir, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens)
+    return teacher_dir
+
+
 def with_correction(algorithm: Algorithm, cfg: Config) -> Algorithm:
     """The algorithm with the session's rollout correction (`Config.correction`): "auto" keeps the algorithm's own,
     adding token TIS in async mode when it has none and its loss takes weights (rollout workers sample with weights
@@ -73,6 +84,13 @@ def check_algorithm(cfg: Config, algorithm: Algorithm) -> None:
     if cfg.on_policy_old_logp and algorithm.needs_sum_pi2:
         raise ValueError(f"on_policy_old_logp: algorithm {algorithm.name!r} reads Σ_v π_v² per token (OTB), which the "
                          f"old-policy forward computes before the update: drop on_policy_old_logp")
+    if cfg.on_policy_old_logp and algorithm.needs_teacher:
+        raise ValueError(f"on_policy_old_logp: algorithm {algorithm.name!r} distils from a teacher, comparing old_logp "
+                         f"with the teacher's before the update: drop on_policy_old_logp")
+    if algorithm.needs_teacher and cfg.teacher is None:
+        raise ValueError(f"algorithm {algorithm.name!r} distils from a teacher (its advantage reads teacher_logp_B_T, or "
+                         f"distill_coef / forward_kl_coef > 0): pass teacher= a built-in model name or a local Hugging "
+                         f"Face model directory")
     if cfg.samples_per_prompt == 1 and "group_ids" in algorithms.declared(algorithm.advantage, {"group_ids": 0}):
         raise ValueError(f"samples_per_prompt=1: algorithm {algorithm.name!r} compares the samples of a prompt (its "
                          f"advantage declares group_ids), and one sample has none to compare with (GRPO would train "

@@ -11,7 +11,11 @@ import json
 import time
 from pathlib import Path
 
+from transformers import AutoModelForCausalLM
+
 import rlbench as rl
+from rlbench import models
+from rlbench.models.warm_start import build_cached, cache_root
 
 SETTINGS = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline",
                 prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, lr=1e-4)
@@ -48,6 +52,31 @@ def main(argv: list[str] | None = None) -> dict:
               "reward_curve": str(curve)}
     print(json.dumps(result))
     return result
+
+
+TEACHER = "tiny-arith-grpo"
+"""The built-in model name of `trained(300, seed)`: the teacher of on-policy distillation's demonstration."""
+
+
+def trained(steps: int = 300, seed: int = 0) -> Path:
+    """The quickstart's model after `steps` GRPO steps (one torch thread), as a Hugging Face model folder cached
+    under `$RLBENCH_CACHE/models/tiny-arith-grpo{steps}-seed{seed}` (built on first use, about 90 s at 300 steps;
+    greedy held-out accuracy 0.76 at seed 0): the teacher of on-policy distillation's demonstration
+    (`benchmarks/distillation.py`), the built-in model `TEACHER` at 300 steps."""
+    def train():
+        with rl.Session(**SETTINGS, seed=seed, threads=1, log_dir=None) as session:
+            session.run(steps=steps, progress=False)
+            model = models.from_pretrained(AutoModelForCausalLM, session.model_dir)
+            model.load_state_dict(session.policy.state_dict())
+            return model, session.tokenizer
+    return build_cached(cache_root() / f"tiny-arith-grpo{steps}-seed{seed}", train)
+
+
+def _teacher(seed: int) -> Path:
+    return trained(300, seed)
+
+
+models.register(TEACHER, _teacher)
 
 
 def _save_curve(metrics, path: Path) -> None:

@@ -3,7 +3,7 @@
 Each method takes and returns a plain `Batch` (or a dict of metrics), so a notebook can run them one
 cell at a time and look at everything in between; `step()` is the four in a row and `run()` repeats it.
 The workers are reached through typed handles (`s.policy`, `s.sampler`, `s.scorer`, `s.reference`,
-`s.critic`: `rlbench.workers`); the run's own state is one `SessionState` (`s.state`).
+`s.teacher`, `s.critic`: `rlbench.workers`); the run's own state is one `SessionState` (`s.state`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Session:
         self.config = cfg = make_config(**(config.to_dict() if config else {}) | overrides)
         self.algorithm = preflight.with_correction(algorithms.get(cfg.algorithm), cfg)
         self.task, self.model_dir, self.tokenizer = preflight.prepare(cfg, self.algorithm)
+        self.teacher_dir = preflight.teacher(cfg, self.tokenizer)
         self.identity = {"model": self.model_dir, "tokenizer": f"{type(self.tokenizer).__name__}, {len(self.tokenizer)} tokens",
                          "task": tasks.fingerprint(self.task)}
         """What the batches of this session carry (`meta["session"]`): its stages refuse another session's."""
@@ -48,7 +49,7 @@ class Session:
         # the run folder is this session's alone while it is open (another live session's is refused, naming it)
         self._run_lock = RunLock(Path(cfg.log_dir) / self.state.run_name).acquire() if cfg.log_dir else None
         try:
-            self.workers = start_workers(cfg, self.algorithm, self.task, self.model_dir, self.tokenizer)
+            self.workers = start_workers(cfg, self.algorithm, self.task, self.model_dir, self.tokenizer, self.teacher_dir)
         except BaseException:
             if self._run_lock is not None:
                 self._run_lock.release()
@@ -76,6 +77,7 @@ class Session:
     scorer = property(lambda self: self.workers.scorer, doc="The reward worker (`rl.workers.ScorerHandle`).")
     reference = property(lambda self: self.workers.reference, doc="The reference policy's ranks, or None.")
     critic = property(lambda self: self.workers.critic, doc="The critic's ranks, or None.")
+    teacher = property(lambda self: self.workers.teacher, doc="The distillation teacher's ranks, or None.")
     step_count = property(lambda self: self.state.step_count, doc="Steps recorded so far.")
     run_name = property(lambda self: self.state.run_name, doc="The run's folder name under `log_dir`.")
     skipped_updates = property(lambda self: self.state.skipped_updates, doc="Optimizer steps skipped (non-finite).")
@@ -160,8 +162,9 @@ class Session:
 
     def advantage(self, batch: Batch) -> Batch:
         """Add `old_logp`, and what the algorithm declares it needs (`ref_logp`, critic `values`, rollout
-        correction weights), the token rewards (with KL-in-reward if declared), `advantages`, `returns`.
-        Changes no session state: running it twice on a batch gives the same batch."""
+        correction weights), the teacher's `teacher_logp` with a teacher (and `teacher_topk_logp` / `teacher_topk_ids`
+        `[B, T, k]` when the algorithm has forward_kl_coef), the token rewards (with KL-in-reward if declared),
+        `advantages`, `returns`. Changes no session state: running it twice on a batch gives the same batch."""
         self._check_origin(batch, "advantage")
         algorithm, cfg = self.algorithm, self.config
         with self._timed("advantage"):
@@ -174,9 +177,17 @@ class Session:
                 started["old_logp+sum_pi2"] = self.policy.log_probs_async(batch, sum_pi2=True)
             elif not sampler_is_old and not cfg.on_policy_old_logp:  # (else the update's own forward gives it)
                 started["old_logp"] = self.policy.log_probs_async(batch)
-            if self.reference is not None:  # both started before either is waited for (on Ray: no idle round trip)
+            if self.reference is not None:  # all started before any is waited for (on Ray: no idle round trip)
                 started["ref_logp"] = self.reference.log_probs_async(batch)
+            topk = algorithm.teacher_topk if algorithm.forward_kl_coef else 0
+            if self.teacher is not None:
+                started["teacher_logp"] = self.teacher.log_probs_async(batch, topk)
             columns |= {name: pending.result() for name, pending in started.items()}
+            if topk:  # [B, T, 1 + 2k]: the log-probs, the top-k log-probs, their ids
+                teacher_B_T_X = columns.pop("teacher_logp")
+                columns |= {"teacher_logp": teacher_B_T_X[..., 0].contiguous(),
+                            "teacher_topk_logp": teacher_B_T_X[..., 1 : 1 + topk].contiguous(),
+                            "teacher_topk_ids": teacher_B_T_X[..., 1 + topk :].long()}
             if "old_logp+sum_pi2" in columns:
                 logp_B_T, columns["sum_pi2"] = (x.contiguous() for x in columns.pop("old_logp+sum_pi2").unbind(-1))
                 columns.setdefault("old_logp", logp_B_T)
@@ -199,6 +210,7 @@ class Session:
                 values_B_T=columns.get("values"),
                 baselines_B=batch.tensors.get("baseline_reward"), old_logp_B_T=columns.get("old_logp"),
                 sum_pi2_B_T=columns.get("sum_pi2"), is_weights_B_T=columns.get("correction_weights"),
+                teacher_logp_B_T=columns.get("teacher_logp"),
                 reward_components_B_K=torch.stack([batch[k] for k in components], -1) if components else None,
                 turn_B_T=batch.tensors.get("turn"), turn_rewards_B_N=batch.tensors.get("turn_rewards"),
                 turns_B=batch.tensors.get("turns"), turn_state_B_N=batch.tensors.get("turn_state"))
@@ -392,7 +404,8 @@ class Session:
         if self._async is not None:
             self._async.close()
         self.workers.close()
-        self.workers = start_workers(self.config, self.algorithm, self.task, self.model_dir, self.tokenizer)
+        self.workers = start_workers(self.config, self.algorithm, self.task, self.model_dir, self.tokenizer,
+                                     self.teacher_dir)
         if self._async is not None:
             self._async = self._async_rollouts()
         resume.load(self, folder, state)
@@ -550,8 +563,9 @@ class Session:
 
     def __repr__(self) -> str:
         cfg = self.config
+        teacher = f"teacher={cfg.teacher!r}, " if cfg.teacher is not None else ""
         return (f"Session(model={cfg.model!r}, task={getattr(self.task, 'name', self.task)!r}, "
-                f"algorithm={self.algorithm.name!r}, cluster={cfg.cluster!r}, sampler={self.sampler.choice!r}, "
+                f"algorithm={self.algorithm.name!r}, {teacher}cluster={cfg.cluster!r}, sampler={self.sampler.choice!r}, "
                 f"step={self.state.step_count})")
 
 

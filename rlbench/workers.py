@@ -1,6 +1,6 @@
 """The session's workers, and the typed handles it calls them through.
 
-`start_workers` builds every worker of a session (the policy ranks, with the reference and critic colocated on
+`start_workers` builds every worker of a session (the policy ranks, with the reference, teacher and critic colocated on
 them or in groups of their own, the sampler, the reward scorer), in this process or as Ray actors, and returns
 them as `Workers`: one handle per part. A handle is the same object inline and on Ray; each method says which
 worker method it runs (`Policy.forward_backward`, ...) and on which ranks: every rank (rows split by token
@@ -127,6 +127,23 @@ class ReferenceHandle:
 
     def load_checkpoint(self, path: str) -> None:
         self.workers.call("reference", Reference.load_checkpoint, path)
+
+
+class TeacherHandle:
+    """The on-policy distillation teacher's ranks: a frozen `Reference` over the teacher's weights (nothing for a
+    checkpoint to keep: it never changes)."""
+
+    def __init__(self, workers: WorkerGroup):
+        self.workers = workers
+
+    def log_probs(self, batch: Batch, topk: int = 0) -> torch.Tensor:
+        """The teacher's log-probs `[B, T]` of the batch's responses (rows split across ranks); with `topk` = k,
+        `[B, T, 1 + 2k]`: also its k most likely tokens' log-probs and ids per position (`Reference.log_probs`)."""
+        return self.log_probs_async(batch, topk).result()
+
+    def log_probs_async(self, batch: Batch, topk: int = 0) -> Pending:
+        """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`)."""
+        return self.workers.map_rows("teacher", Reference.log_probs, batch, topk=topk)
 
 
 class CriticHandle:
@@ -290,6 +307,8 @@ class Workers:
     critic: CriticHandle | None
     groups: list[WorkerGroup]
     on_ray: bool
+    teacher: TeacherHandle | None = None
+    """The on-policy distillation teacher (`Config.teacher`), or None."""
     rollout: list[SamplerHandle] | None = None
     """An asynchronous run's rollout workers (`rollout_mode="async"`); `sampler` is the first of them."""
     restart_rollout: Callable[[int], SamplerHandle] | None = None
@@ -309,11 +328,14 @@ class Workers:
         return {name: handle for name, handle in parts.items() if handle is not None}
 
 
-def start_workers(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer) -> Workers:
-    """Build every worker of a session: in this process (`cluster="inline"`) or as Ray actors."""
+def start_workers(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer,
+                  teacher_dir: str | None = None) -> Workers:
+    """Build every worker of a session: in this process (`cluster="inline"`) or as Ray actors; `teacher_dir`: the
+    distillation teacher's model directory (`preflight.teacher`)."""
     ray = cfg.cluster if isinstance(cfg.cluster, Ray) else Ray() if cfg.cluster == "ray" else None
     own_reference = algorithm.needs_reference and cfg.lora is None  # under LoRA: the policy with its adapter off
-    separate = 1 + own_reference + algorithm.needs_critic if cfg.placement == "separate" else 1
+    parts = 1 + own_reference + algorithm.needs_critic + (teacher_dir is not None)
+    separate = parts if cfg.placement == "separate" else 1
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA GPU here: use device='cpu' or 'auto'")
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -331,14 +353,14 @@ def start_workers(cfg: Config, algorithm: Algorithm, task, model_dir: str, token
             release_ray()
             raise
     try:
-        return _build(cfg, algorithm, task, model_dir, tokenizer, ray, separate > 1, device, gpus, groups)
+        return _build(cfg, algorithm, task, model_dir, tokenizer, teacher_dir, ray, separate > 1, device, gpus, groups)
     except BaseException:
         _close_groups(groups, ray is not None)
         raise
 
 
-def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, ray: Ray | None, separate: bool,
-           device: str, gpus: int, groups: list[WorkerGroup]) -> Workers:
+def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, teacher_dir: str | None, ray: Ray | None,
+           separate: bool, device: str, gpus: int, groups: list[WorkerGroup]) -> Workers:
     threads = cfg.threads or (1 if ray else None)  # inline: the user's thread count unless `threads` is set
     optim = OptimSettings(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                           lr_schedule=cfg.lr_schedule, lr_warmup_steps=cfg.lr_warmup_steps,
@@ -367,6 +389,12 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
         workers = group("reference", cfg.world_size) if separate else policy
         workers.build("reference", Reference, ranks(workers, temperature=cfg.temperature))
         reference = ReferenceHandle(workers)
+    teacher = None
+    if teacher_dir is not None:  # its top-k stays within the policy's ids (a larger embedding's padding rows)
+        workers = group("teacher", cfg.world_size) if separate else policy
+        workers.build("teacher", Reference, ranks(workers, model_dir=teacher_dir, temperature=cfg.temperature,
+                                                  vocab=len(tokenizer)))
+        teacher = TeacherHandle(workers)
     if algorithm.needs_critic:
         critic = group("critic", cfg.world_size) if separate else policy
         critic.build("critic", Critic, ranks(critic, seed=cfg.seed, optim=dataclasses.replace(
@@ -404,7 +432,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, r
                                                    workers=cfg.reward_workers, processes=cfg.reward_processes)])
         scorer = ScorerHandle(rewards)
     return Workers(policy=PolicyHandle(policy, algorithm, cfg.max_new_tokens), sampler=sampler,
-                   scorer=scorer, episodes=episodes, reference=reference,
+                   scorer=scorer, episodes=episodes, reference=reference, teacher=teacher,
                    critic=critic and CriticHandle(critic, algorithm, cfg.max_new_tokens),
                    groups=groups, on_ray=ray is not None, rollout=rollout, restart_rollout=restart_rollout)
 

@@ -88,6 +88,7 @@ BAD = [  # (field, value, the start of the error)
     ("attention", "flash", "attention='flash' is not one of: 'auto', 'packed', 'per_sample'"),
     ("attention", None, "attention: expected str, got None (NoneType)"),
     ("activation_checkpointing", 1, "activation_checkpointing: expected bool, got 1 (int)"),
+    ("teacher", 3, "teacher: expected str or none, got 3 (int)"),
     ("lora", 16, "lora: expected rl.LoRA(...), a table of its fields or None, got 16"),
     ("lora", {"rank": 0}, "LoRA rank must be a positive integer, got 0"),
     ("on_policy_old_logp", 1, "on_policy_old_logp: expected bool, got 1 (int)"),

@@ -16,7 +16,7 @@ from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
-SMALL = {"STEPS": 3, "PROMPTS_PER_STEP": 4, "SAMPLES_PER_PROMPT": 4, "THREADS": 1}
+SMALL = {"STEPS": 3, "DISTILL_STEPS": 3, "PROMPTS_PER_STEP": 4, "SAMPLES_PER_PROMPT": 4, "THREADS": 1}
 """Overrides of the parameter cells: ~1 s of training per run on the tiny model."""
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import rlbench as rl
-from rlbench.policy import Policy, micro_batches
+from rlbench.policy import Policy, Reference, micro_batches
 from rlbench.policy.training import OptimSettings, lr_lambda
 
 
@@ -10,13 +10,19 @@ def gradients(policy):
     return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("mode", rl.algorithms.REDUCTIONS)
-def test_gradient_does_not_depend_on_micro_batching(tiny_dir, rollout, mode):
+@pytest.mark.parametrize("mode, forward_kl", [(mode, False) for mode in rl.algorithms.REDUCTIONS]
+                         + [("seq-mean-token-mean", True)])
+def test_gradient_does_not_depend_on_micro_batching(tiny_dir, rollout, mode, forward_kl):
     policy = Policy(tiny_dir, OptimSettings(lr=1e-3), micro_batch_tokens=10_000)
     # off-policy on purpose (old_logp shifted) so clipping and the KL term are active
     batch = rollout.with_columns(old_logp=policy.log_probs(rollout) - 0.1 * rollout["response_mask"],
                                  ref_logp=policy.log_probs(rollout) + 0.05 * rollout["response_mask"])
     algorithm = rl.algorithms.get("grpo").replace(reduction=mode, kl_coef=0.1, entropy_coef=0.01)
+    if forward_kl:  # distillation's forward KL to a teacher's top-4 (the model itself at temperature 2)
+        teacher_B_T_X = Reference(tiny_dir, temperature=2.0).log_probs(rollout, topk=4)
+        batch = batch.with_columns(teacher_topk_logp=teacher_B_T_X[..., 1:5],
+                                   teacher_topk_ids=teacher_B_T_X[..., 5:].long())
+        algorithm = algorithm.replace(forward_kl_coef=0.5, teacher_topk=4)
     counts = dict(num_tokens=int(batch["response_mask"].sum()), num_seqs=len(batch), norm_length=8)
     whole = policy.forward_backward(batch, algorithm, **counts)
     expected = gradients(policy)

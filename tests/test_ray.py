@@ -94,6 +94,23 @@ def test_critic_and_reference_workers(tiny_dir, algorithm, placement):
             assert metrics["vf_loss"].gt(0).all()
 
 
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_a_teacher_on_two_ranks_matches_inline(tiny_dir, placement):
+    # on-policy distillation: the teacher (tiny-arith) scores the student's (tiny-arith-small's) samples, with
+    # its top-k for the forward-KL term, in a group of its own or in the policy's rank processes
+    algorithm = rl.algorithms.get("grpo_opd").replace(forward_kl_coef=0.5, teacher_topk=4)
+    small = CONFIG | dict(model="tiny-arith-small", algorithm=algorithm, teacher=tiny_dir, prompts_per_step=4,
+                          samples_per_prompt=4)
+    with rl.Session(**small, cluster="inline", threads=1) as inline:
+        expected = inline.run(2, progress=False)
+    with rl.Session(**small, cluster="ray", world_size=2, placement=placement) as s:
+        assert ("teacher" in [g.name for g in s.workers.groups]) == (placement == "separate")
+        metrics = s.run(2, progress=False)
+    for column in ["teacher_kl", "forward_kl", "loss", "grad_norm"]:
+        torch.testing.assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
+                                   atol=1e-4, rtol=0, msg=column)
+
+
 def test_a_dead_worker_is_named(tiny_dir):
     import ray
 

@@ -221,3 +221,42 @@ def value_loss(
     )
     clip_frac = masked_mean((clipped_loss_B_T > unclipped_loss_B_T).to(loss_B_T.dtype), mask_B_T)
     return loss, {"vf_loss": loss.detach(), "vf_clip_frac": clip_frac.detach()}
+
+
+REVERSE_KL_KINDS = ("k1", "k3")
+"""Estimators of the per-token reverse KL the distillation advantage takes (``kl``'s k1 and k3)."""
+
+
+def reverse_kl_advantages(old_logp_B_T: torch.Tensor, teacher_logp_B_T: torch.Tensor, mask_B_T: torch.Tensor,
+                          estimator: str = "k1") -> torch.Tensor:
+    """``-k(logπ_student, logπ_teacher)`` per sampled token, 0 on invalid tokens.
+
+        k1 = logπ_s - logπ_t        k3 = e^κ - κ - 1,  κ = logπ_t - logπ_s   (both estimate KL(π_s || π_t) on
+        tokens drawn from π_s; k1 is unbiased and signed, k3 non-negative; see ``kl``)
+    """
+    if estimator not in REVERSE_KL_KINDS:
+        raise ValueError(f"unknown reverse-KL estimator {estimator!r}; valid: {', '.join(REVERSE_KL_KINDS)}")
+    return -kl(old_logp_B_T, teacher_logp_B_T, estimator) * mask_B_T
+
+
+def teacher_topk(logits_B_T_V: torch.Tensor, k: int, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's ``k`` most likely tokens per position: ``(log-probs [B, T, k], ids [B, T, k])``, the
+    log-probs normalised over the whole vocabulary. ``vocab`` limits the candidates to the first ids (a teacher
+    whose embedding has more padding rows than the student's); ``k`` at least the vocabulary: the full
+    distribution."""
+    candidates_B_T_V = logits_B_T_V if vocab is None else logits_B_T_V[..., :vocab]
+    values_B_T_K, ids_B_T_K = candidates_B_T_V.topk(min(k, candidates_B_T_V.shape[-1]), dim=-1)
+    return values_B_T_K - logits_B_T_V.logsumexp(-1, keepdim=True), ids_B_T_K
+
+
+def forward_kl_topk(student_topk_logp_B_T_K: torch.Tensor, teacher_topk_logp_B_T_K: torch.Tensor):
+    """Forward KL to the teacher over its top-k tokens (verl's ``forward_kl_topk``; GKD's supervised term):
+
+        D_t = Σ_{v ∈ topk_t} p_t(v)·(log p_t(v) - log q_s(v)),   p the teacher, q the student, both normalised over
+        the whole vocabulary (not renormalised on the top-k; with k = V it is the exact KL(p || q)). With k < V its
+        minimum is not q = p but q = p renormalised on the top-k: the term also pulls mass off the teacher's tail.
+
+    Returns ``(D_B_T, teacher_mass_B_T, student_mass_B_T)``: the term, and the probability each puts on the top-k."""
+    p_B_T_K = teacher_topk_logp_B_T_K.exp()
+    divergence_B_T = (p_B_T_K * (teacher_topk_logp_B_T_K - student_topk_logp_B_T_K)).sum(-1)
+    return divergence_B_T, p_B_T_K.sum(-1), student_topk_logp_B_T_K.exp().sum(-1)

@@ -150,3 +150,16 @@ register_algorithm(
     description="GRPO's advantage (arXiv:2402.03300) in verl 0.9.1's bypass mode, REINFORCE variant: L = "
     "-A·logp·w, w = min(pi_theta/pi_sampler, 2) per token (truncated IS), no old-policy forward.",
 )
+
+# on-policy distillation (rlbench/algorithms/distill.py): a session with teacher=...
+register_algorithm(
+    "opd", advantage="reverse_kl", loss="ppo_clip",
+    description="On-policy distillation (GKD arXiv:2306.13649; Thinking Machines 2025; Qwen3 arXiv:2505.09388): "
+    "the student's samples, A_t = -(logπ_student - logπ_teacher) per token (k1), PPO clip, token-mean; no task "
+    "reward. Needs teacher=.",
+)
+register_algorithm(
+    "grpo_opd", advantage="grpo", loss="ppo_clip", reduction="seq-mean-token-mean", distill_coef=1.0,
+    description="GRPO (arXiv:2402.03300) plus on-policy distillation: the group-normalised task advantage plus "
+    "1.0·(-(logπ_student - logπ_teacher)) per token (k1); the teacher's KL replaces the reference's. Needs teacher=.",
+)

@@ -18,17 +18,19 @@ from functools import partial
 
 import torch
 
-from .core import KL_KINDS, REDUCTIONS, AdaptiveKL, aggregate, kl
+from .core import (KL_KINDS, REDUCTIONS, REVERSE_KL_KINDS, AdaptiveKL, aggregate, forward_kl_topk, kl, masked_mean,
+                   reverse_kl_advantages)
 from .correction import RolloutCorrection
 
 TURN_DATA = ("turn_B_T", "turn_rewards_B_N", "turns_B", "turn_state_B_N")
 """The advantage data only an agentic (multi-turn) task has."""
 ADVANTAGE_DATA = ("group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "reward_components_B_K", "sum_pi2_B_T",
-                  "is_weights_B_T", *TURN_DATA)
+                  "is_weights_B_T", "teacher_logp_B_T", *TURN_DATA)
 """Data an advantage estimator may declare as keyword arguments: the prompt group of each sample, the critic's
 values, the greedy baseline's score, the log-probs of the policy that sampled, the per-sample reward
 components ``[B, K]`` (a reward that returns a dict), ``Σ_v π_v²`` per token (OTB), the rollout correction's
-detached importance weights (None without correction); and, from an agentic (multi-turn) task, the assistant-turn
+detached importance weights (None without correction), the teacher's log-probs of the sampled tokens (a session
+with ``teacher=``; on-policy distillation); and, from an agentic (multi-turn) task, the assistant-turn
 index of each token (``-1`` on padding), the environment's reward after each turn (``N`` = most turns in the
 batch, 0 past an episode's turns), the number of turns of each episode, and an id of the environment state
 seen at the start of each turn (``-1`` past the turns). It receives only those its signature names."""
@@ -312,6 +314,18 @@ class Algorithm:
     "ppo_clip": the loss on the tokens the correction's rejection keeps, without IS weights (its ratio
     ``π_θ/π_sampler`` already is one). "reinforce": ``L = -A·logp·w``, ``w`` the correction's truncated IS weights
     (the ``gpg`` loss, which this mode requires)."""
+    distill_coef: float = 0.0
+    """On-policy distillation mixed with RL: ``A_t += distill_coef·(-k(logπ_old_t, logπ_teacher_t))`` after the
+    estimator, the per-token reverse KL to the teacher (``distill_estimator``) as an extra reward on each token
+    (``rlbench/algorithms/distill.py``). Needs a session with ``teacher=``. 0 = off."""
+    distill_estimator: str = "k1"
+    """Estimator of that per-token reverse KL: "k1" or "k3"."""
+    forward_kl_coef: float = 0.0
+    """Forward KL to the teacher's top-``teacher_topk`` distribution as a loss term, ``+ forward_kl_coef·agg(D)``
+    (``forward_kl_topk``; GKD's supervised term, verl's ``forward_kl_topk``). Needs ``teacher=``. 0 = off."""
+    teacher_topk: int = 64
+    """How many of the teacher's most likely tokens per position ``forward_kl_coef`` compares (the teacher ships
+    ``[B, T, k]`` log-probs and ids; k at least the vocabulary size: the whole distribution)."""
     description: str = ""
     """One line for humans."""
 
@@ -333,6 +347,10 @@ class Algorithm:
                              f"correction: add a weights_B_T=None keyword (multiply the per-token loss by it)")
         if self.max_filter_rounds < 0 or self.overlong_buffer < 0:
             raise ValueError("max_filter_rounds and overlong_buffer must be >= 0")
+        _check_choice("reverse-KL estimator (distill_estimator)", self.distill_estimator, REVERSE_KL_KINDS)
+        if self.distill_coef < 0 or self.forward_kl_coef < 0 or self.teacher_topk < 1:
+            raise ValueError(f"distill_coef and forward_kl_coef must be >= 0 and teacher_topk >= 1, got "
+                             f"{self.distill_coef}, {self.forward_kl_coef}, {self.teacher_topk}")
         if self.bypass is not None:
             self._check_bypass()
 
@@ -357,6 +375,13 @@ class Algorithm:
         return "sum_pi2_B_T" in inspect.signature(self.advantage).parameters
 
     @property
+    def needs_teacher(self) -> bool:
+        """Whether the step needs a teacher's log-probs (on-policy distillation): the advantage reads
+        ``teacher_logp_B_T`` (by name in its signature), or ``distill_coef`` or ``forward_kl_coef`` is on."""
+        return ("teacher_logp_B_T" in inspect.signature(self.advantage).parameters or self.distill_coef > 0
+                or self.forward_kl_coef > 0)
+
+    @property
     def needs_reference(self) -> bool:
         """Whether the step needs reference-policy log-probs (a KL in the loss or in the reward)."""
         return self.kl_coef > 0 or self.reward_kl_coef > 0
@@ -372,11 +397,20 @@ class Algorithm:
     def estimate(self, rewards_B_T: torch.Tensor, mask_B_T: torch.Tensor,
                  **data) -> tuple[torch.Tensor, torch.Tensor]:
         """``(advantages_B_T, returns_B_T)`` of this algorithm's estimator, given the token rewards and whatever
-        of ``ADVANTAGE_DATA`` the caller has; the estimator receives only the keywords it declares."""
+        of ``ADVANTAGE_DATA`` the caller has; the estimator receives only the keywords it declares. With
+        ``distill_coef``, the advantages also get the per-token reverse KL to the teacher (see there)."""
         unknown = sorted(set(data) - set(ADVANTAGE_DATA))
         if unknown:
             raise TypeError(f"unknown advantage data {unknown}; valid: {', '.join(ADVANTAGE_DATA)}")
-        return self.advantage(rewards_B_T, mask_B_T, **declared(self.advantage, data), **self.advantage_kwargs)
+        advantages_B_T, returns_B_T = self.advantage(rewards_B_T, mask_B_T, **declared(self.advantage, data),
+                                                     **self.advantage_kwargs)
+        if self.distill_coef > 0:
+            if data.get("teacher_logp_B_T") is None or data.get("old_logp_B_T") is None:
+                raise ValueError(f"algorithm {self.name!r} has distill_coef > 0: it needs teacher_logp_B_T (a session "
+                                 f"with teacher=...) and old_logp_B_T")
+            advantages_B_T = advantages_B_T + self.distill_coef * reverse_kl_advantages(
+                data["old_logp_B_T"], data["teacher_logp_B_T"], mask_B_T, self.distill_estimator)
+        return advantages_B_T, returns_B_T
 
     def actor_loss(
         self,
@@ -388,11 +422,15 @@ class Algorithm:
         ref_logp_B_T: torch.Tensor | None = None,
         entropy_B_T: torch.Tensor | None = None,
         weights_B_T: torch.Tensor | None = None,
+        topk_logp_B_T_K: torch.Tensor | None = None,
+        teacher_topk_logp_B_T_K: torch.Tensor | None = None,
         num_tokens=None,
         num_seqs=None,
         norm_length: int | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``agg(L) - entropy_coef·agg(H) + kl_coef·agg(kl(logp, ref_logp))`` (ALGORITHMS.md §2) and metrics.
+        """``agg(L) - entropy_coef·agg(H) + kl_coef·agg(kl(logp, ref_logp))`` (ALGORITHMS.md §2) and metrics,
+        ``+ forward_kl_coef·agg(D)`` with on-policy distillation's forward KL (``topk_logp_B_T_K``: the student's
+        log-probs at the teacher's top-k ids, ``teacher_topk_logp_B_T_K``: the teacher's; see ``forward_kl_topk``).
 
         Every term is reduced with this algorithm's mode and the given global counts (see ``aggregate``).
         """
@@ -420,6 +458,16 @@ class Algorithm:
             kl_loss = aggregate(kl(logp_B_T, ref_logp_B_T, self.kl_estimator), mask_B_T, **counts)
             loss = loss + self.kl_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
+        if self.forward_kl_coef > 0:
+            if topk_logp_B_T_K is None or teacher_topk_logp_B_T_K is None:
+                raise ValueError(f"algorithm {self.name!r} has forward_kl_coef > 0: pass topk_logp_B_T_K and "
+                                 f"teacher_topk_logp_B_T_K (a session with teacher=... computes them)")
+            divergence_B_T, teacher_mass_B_T, student_mass_B_T = forward_kl_topk(topk_logp_B_T_K, teacher_topk_logp_B_T_K)
+            forward_kl = aggregate(divergence_B_T, mask_B_T, **counts)
+            loss = loss + self.forward_kl_coef * forward_kl
+            metrics |= {"forward_kl": forward_kl.detach(),
+                        "teacher_topk_mass": masked_mean(teacher_mass_B_T.detach(), mask_B_T),
+                        "student_topk_mass": masked_mean(student_mass_B_T.detach(), mask_B_T)}
         return loss, metrics
 
     def _bypass_correction(self, logp_B_T, sampler_logp_B_T, mask_B_T):
@@ -441,6 +489,12 @@ class Algorithm:
                          f"sampler_logp (no old-policy forward); log ρ = sg(logp) - sampler_logp drives the correction in the loss; "
                          + ("L = -A·logp·w, w the correction's truncated IS weights" if self.bypass == "reinforce" else
                             "the loss on the tokens the correction's rejection keeps, no IS weights"))
+        if self.distill_coef > 0:
+            parts.append(f"on-policy distillation in the advantage (GKD arXiv:2306.13649; Thinking Machines 2025): "
+                         f"A_t += {self.distill_coef:g}·(-k(logπ_old_t, logπ_teacher_t)), k = {self.distill_estimator}")
+        if self.forward_kl_coef > 0:
+            parts.append(f"forward KL to the teacher's top-{self.teacher_topk} distribution in the loss (GKD; verl's "
+                         f"forward_kl_topk): + {self.forward_kl_coef:g}·agg(Σ_topk p_t·(log p_t - log q_s))")
         return "\n\n".join(parts + ([] if self.correction is None else [_describe_correction(self.correction)]))
 
     def __repr__(self) -> str:

@@ -20,17 +20,28 @@ from transformers.utils import logging as hf_logging
 
 from rlbench.models import tiny_arith, tiny_mix, tiny_tools
 from rlbench.models.arithmetic_data import arithmetic_split
-from rlbench.models.checks import check_fits, check_tokenizer_files, check_weights, dropout_fields, prompt_room
+from rlbench.models.checks import (check_fits, check_same_tokenizer, check_tokenizer_files, check_weights, dropout_fields,
+                                   prompt_room)
 from rlbench.models.tiny_arith import build_tiny_model
 from rlbench.models.tokenizer import build_tokenizer
 
-__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "check_fits", "dropout_fields", "prompt_room", "from_pretrained",
-           "load", "load_tokenizer", "names", "quiet_transformers", "resolve"]
+__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "check_fits", "check_same_tokenizer", "dropout_fields",
+           "prompt_room", "from_pretrained", "load", "load_tokenizer", "names", "quiet_transformers", "register", "resolve"]
 
 _BUILTINS: dict[str, Callable[[int], Path]] = {tiny_arith.NAME: tiny_arith.ensure_built,
+                                                tiny_arith.SMALL_NAME: tiny_arith.ensure_built_small,
                                                 tiny_mix.NAME: tiny_mix.ensure_built,
                                                 tiny_tools.NAME: tiny_tools.ensure_built}
 """Built-in model name -> function of the seed returning its (cached, built on demand) directory."""
+
+
+def register(name: str, build: Callable[[int], Path]) -> None:
+    """Add a built-in model: `build(seed)` returns its cached directory, building it first if missing. For models made
+    by the layers above this one (tiny-arith-grpo, the quickstart's RL-trained model: `rlbench.quickstart`). A name is
+    taken once (registering the same function again is a no-op)."""
+    if _BUILTINS.get(name, build) is not build:
+        raise ValueError(f"built-in model {name!r} is already registered; pick another name")
+    _BUILTINS[name] = build
 
 
 def names() -> list[str]:

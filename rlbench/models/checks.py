@@ -36,6 +36,19 @@ def check_tokenizer_files(model_dir: str | os.PathLike) -> None:
                          "save the tokenizer the model was trained with there (`tokenizer.save_pretrained(folder)`)")
 
 
+def check_same_tokenizer(tokenizer: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase, other_dir, role: str) -> None:
+    """ValueError naming the first token id where `other` (the `role` model's tokenizer, in `other_dir`) and
+    `tokenizer` (the policy's) differ: the two models must read the same ids as the same text."""
+    if tokenizer.get_vocab() == other.get_vocab():
+        return
+    ours, theirs = (t.convert_ids_to_tokens(list(range(len(t)))) for t in (tokenizer, other))
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    token = lambda tokens: repr(tokens[first]) if first < len(tokens) else "nothing (its vocabulary ends before)"
+    raise ValueError(f"the {role} in {other_dir} has another tokenizer than the policy's: token id {first} is "
+                     f"{token(theirs)} there and {token(ours)} in the policy's ({len(theirs)} and {len(ours)} tokens). "
+                     f"The {role} scores the policy's token ids: use a {role} trained with the policy's tokenizer")
+
+
 def check_weights(model_dir: str | os.PathLike) -> None:
     """ValueError naming the folder when it has no weights file, or naming the safetensors file that does not
     open (a truncated or corrupt copy: its header, or its length against the header's). Reads headers only."""

@@ -5,6 +5,7 @@ arithmetic train pairs ("12+34=" -> "46<eos>", loss on the answer and EOS only) 
 accuracy on the 200 held-out pairs is between `STOP_AT` and `OVERSHOOT` (about 0.3), so an RL run
 starts with signal and room to improve. The result is saved once as an ordinary Hugging Face model
 directory under `$RLBENCH_CACHE/models/` (default `~/.cache/rlbench`). Deterministic for a seed.
+tiny-arith-small is the same recipe with one layer: a smaller student for on-policy distillation.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from rlbench.models.warm_start import (build_cached, cache_root, greedy_completi
                                        text_sft_tensors, torch_threads)
 
 NAME = "tiny-arith"
+SMALL_NAME = "tiny-arith-small"
+"""The same recipe with one layer instead of two (0.69M parameters): the student of on-policy distillation."""
 VERSION = 1
 """Part of the cache directory's name: bump it whenever the recipe below changes."""
 
@@ -36,8 +39,9 @@ MAX_STEPS = 2000
 MAX_NEW_TOKENS = 8
 
 
-def tiny_config(tokenizer: PreTrainedTokenizerBase, *, max_position_embeddings: int = 64) -> Qwen2Config:
-    """2 layers of width 192 (6 query heads, 2 KV heads of 32), MLP 768, tied embeddings, fp32.
+def tiny_config(tokenizer: PreTrainedTokenizerBase, *, max_position_embeddings: int = 64,
+                layers: int = 2) -> Qwen2Config:
+    """2 layers (or `layers`) of width 192 (6 query heads, 2 KV heads of 32), MLP 768, tied embeddings, fp32.
 
     Few wide layers because at this size decoding speed is per-layer Python overhead.
     """
@@ -45,7 +49,7 @@ def tiny_config(tokenizer: PreTrainedTokenizerBase, *, max_position_embeddings: 
         vocab_size=len(tokenizer),
         hidden_size=192,
         intermediate_size=768,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=6,
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,
@@ -58,18 +62,19 @@ def tiny_config(tokenizer: PreTrainedTokenizerBase, *, max_position_embeddings: 
 
 
 def build_tiny_model(seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None, *,
-                     max_position_embeddings: int = 64) -> Qwen2ForCausalLM:
+                     max_position_embeddings: int = 64, layers: int = 2) -> Qwen2ForCausalLM:
     """The untrained tiny model (for `tokenizer`'s vocabulary, default the byte tokenizer); its initialisation
     depends only on `seed` (global RNG untouched)."""
-    config = tiny_config(tokenizer or build_tokenizer(), max_position_embeddings=max_position_embeddings)
+    config = tiny_config(tokenizer or build_tokenizer(), max_position_embeddings=max_position_embeddings,
+                         layers=layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config)
 
 
-def cache_dir(seed: int = 0) -> Path:
-    """Where the built model for `seed` lives (it may not exist yet)."""
-    return cache_root() / f"{NAME}-v{VERSION}-seed{seed}"
+def cache_dir(seed: int = 0, name: str = NAME) -> Path:
+    """Where the built model (`NAME` or `SMALL_NAME`) for `seed` lives (it may not exist yet)."""
+    return cache_root() / f"{name}-v{VERSION}-seed{seed}"
 
 
 def ensure_built(seed: int = 0) -> Path:
@@ -77,11 +82,16 @@ def ensure_built(seed: int = 0) -> Path:
     return build_cached(cache_dir(seed), lambda: train_tiny_arith(seed))
 
 
-def train_tiny_arith(seed: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerBase]:
-    """Build and warm-start the model in memory (one torch thread, for reproducible numbers)."""
+def ensure_built_small(seed: int = 0) -> Path:
+    """`SMALL_NAME`'s cached model directory for `seed`, built first if missing."""
+    return build_cached(cache_dir(seed, SMALL_NAME), lambda: train_tiny_arith(seed, layers=1))
+
+
+def train_tiny_arith(seed: int = 0, layers: int = 2) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerBase]:
+    """Build and warm-start the model (`layers` layers) in memory (one torch thread, for reproducible numbers)."""
     with torch_threads(1):
         tokenizer = build_tokenizer()
-        model = build_tiny_model(seed)
+        model = build_tiny_model(seed, layers=layers)
         warm_start(model, tokenizer, seed=seed)
     return model.eval(), tokenizer
 
@@ -97,7 +107,7 @@ def warm_start(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, *, s
     return supervised_warm_start(
         model, inputs_N_T, labels_N_T, lambda m: greedy_accuracy(m, tokenizer, heldout_pairs), seed=seed, lr=LR,
         batch_size=BATCH_SIZE, eval_every=EVAL_EVERY, stop_at=STOP_AT, overshoot=OVERSHOOT, max_steps=MAX_STEPS,
-        name=NAME)
+        name=NAME if model.config.num_hidden_layers == 2 else SMALL_NAME)
 
 
 def sft_tensors(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[Pair]) -> tuple[torch.Tensor, torch.Tensor]:

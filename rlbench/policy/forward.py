@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlbench.algorithms import token_logp, token_logp_and_sum_pi2
+from rlbench.algorithms import teacher_topk, token_logp, token_logp_and_sum_pi2
 from rlbench.batch import Batch
 
 
@@ -280,14 +280,21 @@ def response_logits(model, batch: Batch, temperature: float = 1.0, attention: st
 
 
 def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: int, world_size: int = 1,
-               device: str | torch.device = "cpu", attention: str = "auto", sum_pi2: bool = False) -> torch.Tensor:
+               device: str | torch.device = "cpu", attention: str = "auto", sum_pi2: bool = False, topk: int = 0,
+               vocab: int | None = None) -> torch.Tensor:
     """Log-probs of every response token of `batch`, `[B, T]` on CPU (0 on padding), in micro-batches; with
-    `sum_pi2`, `[B, T, 2]`: the log-probs and `Σ_v π_v²` of each token from the same forward (what OTB reads)."""
+    `sum_pi2`, `[B, T, 2]`: the log-probs and `Σ_v π_v²` of each token from the same forward (what OTB reads);
+    with `topk` = k, `[B, T, 1 + 2k]`: the log-probs, then the model's k most likely tokens' log-probs and their ids
+    (as floats, exact below 2^24) among the first `vocab` ids (a distillation teacher's, `teacher_topk`)."""
     def logp(micro: Batch) -> torch.Tensor:
         logits_B_T_V = response_logits(model, micro, temperature, attention)
         if sum_pi2:
             return torch.stack(token_logp_and_sum_pi2(logits_B_T_V, micro["response_ids"]), -1)
-        return token_logp(logits_B_T_V, micro["response_ids"])
+        logp_B_T = token_logp(logits_B_T_V, micro["response_ids"])
+        if topk:
+            topk_logp_B_T_K, ids_B_T_K = teacher_topk(logits_B_T_V, topk, vocab)
+            return torch.cat([logp_B_T[..., None], topk_logp_B_T_K, ids_B_T_K.float()], -1)
+        return logp_B_T
     return batch_outputs(logp, batch, micro_batch_tokens=micro_batch_tokens, world_size=world_size, device=device)
 
 

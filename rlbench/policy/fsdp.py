@@ -24,7 +24,7 @@ from rlbench.policy.forward import batch_logp, rank_micro_batches, response_logi
 from rlbench.policy.training import (OptimSettings, Optimizer, autocast, backward, checkpoint_blocks, full_state_dict,
                                      init_process_group, shard, use_precision)
 
-SUMMED_TERMS = frozenset({"loss", "pg_loss", "kl_loss", "entropy"})
+SUMMED_TERMS = frozenset({"loss", "pg_loss", "kl_loss", "entropy", "forward_kl"})
 """Terms `Algorithm.actor_loss` reduces with the mini-batch's counts: they add up over micro-batches.
 Every other metric is a per-micro-batch mean, averaged with token weights."""
 MAX_TERMS = frozenset({"sampler_mismatch_max", "sampler_ratio_max"})
@@ -136,11 +136,16 @@ class Policy:
             mismatch = alg.mismatch_metrics(logp_B_T.detach(), old_logp_B_T, loss_mask(micro))
         else:
             old_logp_B_T, mismatch = micro["old_logp"], {}
+        distill = {}
+        if algorithm.forward_kl_coef:  # the student's log-probs at the teacher's top-k ids, from these logits
+            ids_B_T_K = micro["teacher_topk_ids"]
+            distill = {"topk_logp_B_T_K": logits_B_T_V.gather(-1, ids_B_T_K) - logits_B_T_V.logsumexp(-1, keepdim=True),
+                       "teacher_topk_logp_B_T_K": micro["teacher_topk_logp"]}
         loss, metrics = algorithm.actor_loss(
             logp_B_T, old_logp_B_T, micro["advantages"],
             loss_mask(micro), ref_logp_B_T=micro.tensors.get("ref_logp"),
             entropy_B_T=entropy_B_T if algorithm.entropy_coef else entropy_B_T.detach(),
-            weights_B_T=micro.tensors.get("correction_weights"), **counts)
+            weights_B_T=micro.tensors.get("correction_weights"), **distill, **counts)
         return metrics | mismatch | {"loss": loss}
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:

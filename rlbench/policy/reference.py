@@ -1,4 +1,5 @@
-"""The frozen reference policy (the model as loaded), for KL penalties."""
+"""Frozen models that score the policy's samples: the reference policy (the model as loaded), for KL penalties, and
+an on-policy distillation teacher."""
 
 from __future__ import annotations
 
@@ -13,20 +14,25 @@ from rlbench.policy.training import init_process_group, shard
 
 
 class Reference:
-    """The initial policy, frozen; sharded with FSDP2 over the same ranks as the policy."""
+    """A frozen model, sharded with FSDP2 over ranks of its own or the policy's: the initial policy (the reference),
+    or a distillation teacher (`vocab`: the policy's vocabulary size, which the teacher's top-k stays within)."""
 
     def __init__(self, model_dir: str, *, rank: int = 0, world_size: int = 1, init_method: str | None = None,
                  temperature: float = 1.0, micro_batch_tokens: int = 4096, device: str = "cpu",
-                 attention: str = "auto"):
+                 attention: str = "auto", vocab: int | None = None):
         init_process_group(rank, world_size, init_method, device)
         model = models.from_pretrained(AutoModelForCausalLM, model_dir).requires_grad_(False)
         self.model = shard(model, world_size, device).eval()
         self.rank, self.world_size, self.device = rank, world_size, device
         self.temperature, self.micro_batch_tokens, self.attention = temperature, micro_batch_tokens, attention
+        self.vocab = vocab
 
-    def log_probs(self, batch: Batch) -> torch.Tensor:
+    def log_probs(self, batch: Batch, topk: int = 0) -> torch.Tensor:
+        """Log-probs `[B, T]` of the batch's responses; with `topk` = k, `[B, T, 1 + 2k]`: also this model's k most
+        likely tokens' log-probs and ids per position (`batch_logp`)."""
         return batch_logp(self.model, batch, temperature=self.temperature, micro_batch_tokens=self.micro_batch_tokens,
-                          world_size=self.world_size, device=self.device, attention=self.attention)
+                          world_size=self.world_size, device=self.device, attention=self.attention, topk=topk,
+                          vocab=self.vocab)
 
     def save_checkpoint(self, path: str) -> None:
         checkpoint.save(path, self.model, rank=self.rank)

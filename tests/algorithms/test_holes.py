@@ -67,6 +67,7 @@ def batch(seed=0):
         values_B_T=torch.randn(B, T, generator=generator),
         sum_pi2_B_T=torch.exp(logp_B_T) ** 2 + 0.3 * torch.rand(B, T, generator=generator),
         is_weights_B_T=0.5 + torch.rand(B, T, generator=generator),
+        teacher_logp_B_T=logp_B_T + 0.4 * torch.randn(B, T, generator=generator),
         advantages_B_T=torch.randn(B, T, generator=generator),
         data=dict(
             group_ids=torch.tensor([4, 4, 4, 9, 9]),
@@ -110,7 +111,7 @@ def test_every_estimator_on_a_holed_batch_is_the_compact_one_scattered(name):
     holed_B_T, _ = rewards_with_kl(b, MASK_B_T, lambda x: x)
     compact_B_T, _ = rewards_with_kl(b, COMPACT_MASK_B_T, compact)
     fn = advantage_fn(name)
-    per_token = ("values_B_T", "old_logp_B_T", "sum_pi2_B_T", "is_weights_B_T")
+    per_token = ("values_B_T", "old_logp_B_T", "sum_pi2_B_T", "is_weights_B_T", "teacher_logp_B_T")
     holed = dict(b["data"], **{k: b[k] for k in per_token}, turn_B_T=TURN_B_T)
     squeezed = dict(b["data"], **{k: compact(b[k]) for k in per_token}, turn_B_T=compact(TURN_B_T, fill=-1))
     adv_B_T, returns_B_T = fn(holed_B_T, MASK_B_T, **declared(fn, holed))

@@ -32,6 +32,8 @@ TABLE = {
     "dppo": ("grpo", "dppo_tv", "seq-mean-token-sum-norm", dict(advantage_kwargs={"norm_by_std": False})),
     "grpo_bypass": ("grpo", "ppo_clip", "seq-mean-token-mean", dict(kl_coef=0.001, bypass="ppo_clip", correction=None)),
     "grpo_bypass_pg": ("grpo", "gpg", "seq-mean-token-mean", dict(kl_coef=0.001, bypass="reinforce")),
+    "opd": ("reverse_kl", "ppo_clip", "token-mean", dict(kl_coef=0.0, needs_teacher=True)),
+    "grpo_opd": ("grpo", "ppo_clip", "seq-mean-token-mean", dict(kl_coef=0.0, distill_coef=1.0, needs_teacher=True)),
     "mt_grpo": ("mt_grpo", "ppo_clip", "seq-mean-token-mean", dict(kl_coef=0.001, needs_turns=True)),
     "gigpo": ("gigpo", "ppo_clip", "seq-mean-token-mean", dict(kl_coef=0.0, needs_turns=True)),
     "turn_rloo": ("turn_rloo", "ppo_clip", "token-mean", dict(needs_turns=True)),
@@ -73,6 +75,10 @@ def random_batch(seed=0):
         old_logp_B_T=old_logp_B_T,
         logp_B_T=old_logp_B_T + 0.2 * torch.randn(B, T, generator=generator),
         ref_logp_B_T=old_logp_B_T + 0.2 * torch.randn(B, T, generator=generator),
+        teacher_logp_B_T=old_logp_B_T + 0.5 * torch.randn(B, T, generator=generator),
+        # the student's offsets from its sampled token's log-prob at a teacher's top-3 ids, and the teacher's there
+        topk_offsets_B_T_K=-torch.rand(B, T, 3, generator=generator),
+        teacher_topk_logp_B_T_K=torch.log_softmax(torch.randn(B, T, 4, generator=generator), -1)[..., :3],
         entropy_B_T=torch.rand(B, T, generator=generator),
         # two turns per response of 2+ tokens (its second half is turn 1), for the turn-credit presets
         turns_B=turns_B,
@@ -86,6 +92,7 @@ def advantages_of(alg, batch):
     return alg.estimate(
         batch["rewards_B_T"], batch["mask_B_T"], group_ids=batch["group_ids"], values_B_T=batch["values_B_T"],
         baselines_B=batch["baselines_B"], old_logp_B_T=batch["old_logp_B_T"], turn_B_T=batch["turn_B_T"],
+        teacher_logp_B_T=batch["teacher_logp_B_T"],
         turn_rewards_B_N=batch["turn_rewards_B_N"], turns_B=batch["turns_B"], turn_state_B_N=batch["turn_state_B_N"],
     )
 
@@ -108,8 +115,9 @@ def test_preset_runs_without_nan(name):
     assert all(torch.isfinite(v) and not v.requires_grad for v in metrics.values())
 
 
-# losses with no preset, on GRPO's advantage (hyperparameters without a default given here)
-COMPOSED = {"dro": get("grpo").replace(name="dro", loss="dro", loss_kwargs={"beta": 0.3})}
+# losses and terms with no preset, on GRPO's advantage (hyperparameters without a default given here)
+COMPOSED = {"dro": get("grpo").replace(name="dro", loss="dro", loss_kwargs={"beta": 0.3}),
+            "forward_kl": get("grpo_opd").replace(name="forward_kl", forward_kl_coef=0.5, teacher_topk=3)}
 
 
 # clip_cov and kl_cov pick tokens by statistics of the tensor they see, so they depend on the split by design
@@ -124,9 +132,12 @@ def test_preset_gradient_does_not_depend_on_the_micro_batch_split(name):
 
     def loss_of(logp_B_T, rows, width):
         logp, old, ref = (logp_B_T if c == "logp_B_T" else batch[c] for c in columns)
+        distill = {} if not alg.forward_kl_coef else dict(  # the student's top-k log-probs move with logp
+            topk_logp_B_T_K=(logp[..., None] + batch["topk_offsets_B_T_K"])[rows, :width],
+            teacher_topk_logp_B_T_K=batch["teacher_topk_logp_B_T_K"][rows, :width])
         return alg.actor_loss(
             logp[rows, :width], old[rows, :width], adv_B_T[rows, :width], mask_B_T[rows, :width],
-            ref_logp_B_T=ref[rows, :width], **counts,
+            ref_logp_B_T=ref[rows, :width], **distill, **counts,
         )[0]
 
     whole_B_T = batch["logp_B_T"].clone().requires_grad_()

@@ -39,7 +39,7 @@ def test_names():
     assert names() == sorted(names())
     assert {"grpo", "dapo", "ppo", "dppo"} <= set(names("algorithm"))
     assert set(names("advantage")) == {
-        "gae", "gdpo", "gigpo", "gpg", "grpo", "grpo_passk", "mt_grpo", "opo", "otb", "reinforce_plus_plus",
+        "gae", "gdpo", "gigpo", "gpg", "grpo", "grpo_passk", "mt_grpo", "opo", "otb", "reinforce_plus_plus", "reverse_kl",
         "reinforce_plus_plus_baseline", "remax", "rloo", "tir_otb", "turn_rloo",
     }
     assert set(names("loss")) == {
