@@ -123,11 +123,11 @@ class Config:
     `export()` writes the merged model or, with `adapter=True`, the adapter in peft's format (`rlbench/lora.py`)."""
     teacher: str | None = None
     """On-policy distillation: a frozen teacher that scores the policy's own samples (`teacher_logp` per token, and
-    its top-k distribution when the algorithm has forward_kl_coef): a built-in model name or a local Hugging Face
-    model directory whose tokenizer is the policy's (the first differing token is named otherwise). Placed like the
-    reference (placement: in the policy's rank processes, or a worker group of its own); never trained nor kept in
-    checkpoints. Algorithms "opd" and "grpo_opd" need one (`rlbench/algorithms/distill.py`); with any other it
-    adds `teacher_logp` and the `teacher_kl` metric."""
+    its top-k distribution when the algorithm has forward_kl_coef; at `temperature`, as the policy's log-probs are):
+    a built-in model name or a local Hugging Face model directory whose tokenizer is the policy's (the first
+    differing token is named otherwise). Placed like the reference (placement: in the policy's rank processes, or a
+    worker group of its own); never trained nor kept in checkpoints. Algorithms "opd" and "grpo_opd" need one
+    (`rlbench/algorithms/distill.py`); with any other it adds `teacher_logp` and the `teacher_kl` metric."""
     on_policy_old_logp: bool = False
     """Skip the separate `old_logp` forward of `advantage()`: the update uses its own detached log-probs as
     `old_logp` (the same numbers, since the weights that update are the ones that sampled: ratio exactly 1)

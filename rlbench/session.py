@@ -183,11 +183,12 @@ class Session:
             if self.teacher is not None:
                 started["teacher_logp"] = self.teacher.log_probs_async(batch, topk)
             columns |= {name: pending.result() for name, pending in started.items()}
-            if topk:  # [B, T, 1 + 2k]: the log-probs, the top-k log-probs, their ids
+            if topk:  # [B, T, 1 + 2k]: the log-probs, the top-k log-probs, their ids (k at most the vocabulary)
                 teacher_B_T_X = columns.pop("teacher_logp")
+                k = (teacher_B_T_X.shape[-1] - 1) // 2
                 columns |= {"teacher_logp": teacher_B_T_X[..., 0].contiguous(),
-                            "teacher_topk_logp": teacher_B_T_X[..., 1 : 1 + topk].contiguous(),
-                            "teacher_topk_ids": teacher_B_T_X[..., 1 + topk :].long()}
+                            "teacher_topk_logp": teacher_B_T_X[..., 1 : 1 + k].contiguous(),
+                            "teacher_topk_ids": teacher_B_T_X[..., 1 + k :].long()}
             if "old_logp+sum_pi2" in columns:
                 logp_B_T, columns["sum_pi2"] = (x.contiguous() for x in columns.pop("old_logp+sum_pi2").unbind(-1))
                 columns.setdefault("old_logp", logp_B_T)

@@ -29,16 +29,18 @@ def test_the_teacher_scores_the_students_own_tokens(tiny_dir):
     assert batch_metrics(batch)["teacher_kl"] == pytest.approx(kl, abs=1e-6) and "teacher_kl" in row
 
 
-def test_forward_kl_against_the_teachers_top_k(tiny_dir):
-    algorithm = rl.algorithms.get("grpo").replace(name="grpo_fkl", kl_coef=0.0, forward_kl_coef=1.0, teacher_topk=3)
+@pytest.mark.parametrize("topk", [3, 1000])  # 1000: more than the vocabulary's 259 ids, the whole distribution
+def test_forward_kl_against_the_teachers_top_k(tiny_dir, topk):
+    algorithm = rl.algorithms.get("grpo").replace(name="grpo_fkl", kl_coef=0.0, forward_kl_coef=1.0, teacher_topk=topk)
     with rl.Session(**SMALL, algorithm=algorithm, teacher=tiny_dir) as s:
         batch = s.advantage(s.score(s.rollout()))
         row = s.step()
-    model, _ = rl.models.load(tiny_dir)
+    model, tokenizer = rl.models.load(tiny_dir)
     with torch.no_grad():
         full_B_T_V = response_logits(model, batch).log_softmax(-1)
     mask_B_T_1 = batch["response_mask"][..., None].bool()
-    top = full_B_T_V.topk(3)
+    top = full_B_T_V.topk(min(topk, len(tokenizer)))
+    assert row["teacher_topk_mass"] == pytest.approx(1.0, abs=1e-5) if topk > len(tokenizer) else row["teacher_topk_mass"] < 1
     torch.testing.assert_close(batch["teacher_topk_logp"], top.values * mask_B_T_1, atol=1e-5, rtol=0)
     assert torch.equal(batch["teacher_topk_ids"], top.indices * mask_B_T_1)
     assert batch["teacher_topk_ids"].dtype == torch.long

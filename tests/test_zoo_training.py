@@ -12,7 +12,8 @@ SMALL = dict(model="tiny-arith", task="arithmetic", cluster="inline", prompts_pe
 
 @pytest.mark.parametrize("preset", [n for n in rl.algorithms.names() if not rl.algorithms.get(n).needs_turns])
 def test_preset_runs_20_steps(tiny_dir, preset):
-    s = rl.Session(**SMALL, algorithm=preset, seed=1)
+    teacher = rl.quickstart.TEACHER if rl.algorithms.get(preset).needs_teacher else None  # on-policy distillation
+    s = rl.Session(**SMALL, algorithm=preset, seed=1, teacher=teacher)
     metrics = s.run(steps=20, progress=False)
     assert len(metrics) == 20
     numeric = metrics.select_dtypes("number")
