@@ -181,7 +181,7 @@ class Session:
                 started["ref_logp"] = self.reference.log_probs_async(batch)
             topk = algorithm.teacher_topk if algorithm.forward_kl_coef else 0
             if self.teacher is not None:
-                started["teacher_logp"] = self.teacher.log_probs_async(batch, topk)
+                started["teacher_logp"] = self.teacher.log_probs_async(batch, topk=topk)
             columns |= {name: pending.result() for name, pending in started.items()}
             if topk:  # [B, T, 1 + 2k]: the log-probs, the top-k log-probs, their ids (k at most the vocabulary)
                 teacher_B_T_X = columns.pop("teacher_logp")

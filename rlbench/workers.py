@@ -107,43 +107,29 @@ class PolicyHandle:
 
 
 class ReferenceHandle:
-    """The frozen reference policy's ranks: a `Reference` model of its own, or under LoRA the policy's ranks
-    with the adapter off (`Policy.reference_log_probs`; nothing of its own for a checkpoint to keep)."""
+    """A frozen model's ranks. The reference policy: a `Reference` model of its own, or under LoRA the policy's ranks
+    with the adapter off (`Policy.reference_log_probs`; nothing of its own for a checkpoint to keep). Named "teacher":
+    the on-policy distillation teacher, a `Reference` over the teacher's weights (never checkpointed: it never
+    changes)."""
 
     def __init__(self, workers: WorkerGroup, name: str = "reference", method: Callable = Reference.log_probs):
         self.workers, self.name, self.method = workers, name, method
         self.own_weights = name == "reference"
 
-    def log_probs(self, batch: Batch) -> torch.Tensor:
-        """Reference log-probs `[B, T]` of the batch's responses (rows split across ranks)."""
-        return self.log_probs_async(batch).result()
+    def log_probs(self, batch: Batch, **options) -> torch.Tensor:
+        """Log-probs `[B, T]` of the batch's responses (rows split across ranks); a teacher's `topk=k` option gives
+        `[B, T, 1 + 2k]`: also its k most likely tokens' log-probs and ids per position (`Reference.log_probs`)."""
+        return self.log_probs_async(batch, **options).result()
 
-    def log_probs_async(self, batch: Batch) -> Pending:
+    def log_probs_async(self, batch: Batch, **options) -> Pending:
         """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`)."""
-        return self.workers.map_rows(self.name, self.method, batch)
+        return self.workers.map_rows(self.name, self.method, batch, **options)
 
     def save_checkpoint(self, path: str) -> None:
         self.workers.call("reference", Reference.save_checkpoint, path)
 
     def load_checkpoint(self, path: str) -> None:
         self.workers.call("reference", Reference.load_checkpoint, path)
-
-
-class TeacherHandle:
-    """The on-policy distillation teacher's ranks: a frozen `Reference` over the teacher's weights (nothing for a
-    checkpoint to keep: it never changes)."""
-
-    def __init__(self, workers: WorkerGroup):
-        self.workers = workers
-
-    def log_probs(self, batch: Batch, topk: int = 0) -> torch.Tensor:
-        """The teacher's log-probs `[B, T]` of the batch's responses (rows split across ranks); with `topk` = k,
-        `[B, T, 1 + 2k]`: also its k most likely tokens' log-probs and ids per position (`Reference.log_probs`)."""
-        return self.log_probs_async(batch, topk).result()
-
-    def log_probs_async(self, batch: Batch, topk: int = 0) -> Pending:
-        """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`)."""
-        return self.workers.map_rows("teacher", Reference.log_probs, batch, topk=topk)
 
 
 class CriticHandle:
@@ -307,7 +293,7 @@ class Workers:
     critic: CriticHandle | None
     groups: list[WorkerGroup]
     on_ray: bool
-    teacher: TeacherHandle | None = None
+    teacher: ReferenceHandle | None = None
     """The on-policy distillation teacher (`Config.teacher`), or None."""
     rollout: list[SamplerHandle] | None = None
     """An asynchronous run's rollout workers (`rollout_mode="async"`); `sampler` is the first of them."""
@@ -394,7 +380,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
         workers = group("teacher", cfg.world_size) if separate else policy
         workers.build("teacher", Reference, ranks(workers, model_dir=teacher_dir, temperature=cfg.temperature,
                                                   vocab=len(tokenizer)))
-        teacher = TeacherHandle(workers)
+        teacher = ReferenceHandle(workers, "teacher")
     if algorithm.needs_critic:
         critic = group("critic", cfg.world_size) if separate else policy
         critic.build("critic", Critic, ranks(critic, seed=cfg.seed, optim=dataclasses.replace(
