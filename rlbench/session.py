@@ -15,7 +15,6 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from rlbench import algorithms, checkpoints, interrupts, preflight, resume, tasks
 from rlbench.batch import Batch
@@ -23,6 +22,7 @@ from rlbench.cluster import WorkerDied
 from rlbench.config import Config, make_config
 from rlbench.metrics import accuracy, batch_metrics
 from rlbench.prefetch import Prefetch
+from rlbench.progress import bar as progress_bar
 from rlbench.rollouts import AsyncRollouts
 from rlbench.runs import RunLock, new_run_name
 from rlbench.samplers import SamplingParams
@@ -66,7 +66,7 @@ class Session:
         self.last_batch: Batch | None = None
         self._prefetch = Prefetch()
         self._async = self._async_rollouts() if cfg.rollout_mode == "async" else None
-        self._stop_requested = False
+        self._stop_requested = self._running = False
         self._aborted: str | None = None  # why the session cannot go on (a step stopped midway)
         self._timings: dict[str, float] = {}
         self._tokens_generated = 0  # response tokens sampled since the step began (extra rounds, baselines too)
@@ -338,11 +338,19 @@ class Session:
         the first step if there is none). `request_stop()` (e.g. the dashboard's stop button, or a
         callback) ends it after the current step.
         """
-        self._stop_requested = False
+        self._stop_requested, self._running = False, True
+        try:
+            return self._run(steps, progress, retries)
+        finally:
+            self._running = False
+
+    running = property(lambda self: self._running, doc="Whether `run()` is going (in this thread or another).")
+
+    def _run(self, steps: int, progress: bool, retries: int):
         first, target = self.state.step_count, self.state.step_count + steps
         if retries and not checkpoints.step_dirs(self._save_dir()):
             self.save()
-        bar = tqdm(total=steps, desc="rlbench", disable=not progress)
+        bar = progress_bar(total=steps, desc=self.run_name, unit="step", disable=not progress)
         while self.state.step_count < target and not self._stop_requested:
             try:
                 row = self.step()
@@ -469,7 +477,8 @@ class Session:
                                  top_p=cfg.top_p, top_k=cfg.top_k, seed=mix(cfg.seed, -1))
         result = {}
         with self._async.paused() if self._async is not None else nullcontext():  # async: no new groups meanwhile
-            for mode, params in tqdm([("greedy", greedy), ("sampled", sampled)], desc="evaluate", disable=not progress):
+            for mode, params in progress_bar([("greedy", greedy), ("sampled", sampled)], desc=f"{self.run_name} evaluate",
+                                             disable=not progress):
                 rollout = (self._play(examples, params) if self.workers.episodes is not None
                            else self.sampler.generate(examples, params))
                 scored = self.score(rollout)

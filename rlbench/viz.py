@@ -13,6 +13,8 @@ Everything here reads a run through what the session exposes (`metrics`, `histor
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import html
 import io
 import math
@@ -42,6 +44,8 @@ class Panel:
     """Columns drawn for a single run (those the run has; a panel whose columns no run has is left out)."""
     compare: str | None = None
     """The one column drawn per run when several runs share the panel (None = the first of `columns` present)."""
+    labels: tuple[str, ...] | None = None
+    """The legend's names of `columns` (None = the column names)."""
 
 
 PANELS = (
@@ -51,7 +55,7 @@ PANELS = (
     Panel("entropy", ("entropy",)),
     Panel("clip fraction", ("clip_frac", "clip_frac_lower")),
     Panel("response length (tokens)", ("response_length",)),
-    Panel("stage timings (s)", TIMINGS, compare="time_step"),
+    Panel("stage timings (s)", TIMINGS, compare="time_step", labels=tuple(t.removeprefix("time_") for t in TIMINGS)),
 )
 """The default panels of `plot` and the dashboard, in order."""
 
@@ -140,11 +144,14 @@ def _draw_panel(ax, panel: Panel, runs: Mapping[str, pd.DataFrame], smooth: int)
             column = panel.compare if panel.compare in metrics.columns else next(iter(present), None)
             lines = [(column, name)] if column else []
         else:
-            lines = [(c, c) for c in present]
+            names = dict(zip(panel.columns, panel.labels or panel.columns))
+            lines = [(c, names[c]) for c in present]
         for j, (column, label) in enumerate(lines):
             _line(ax, metrics, column, label, f"C{color if len(runs) > 1 else j}", smooth)
-    if len(runs) == 1 and len(ax.lines) > 1:
-        ax.legend(fontsize=7)
+    if len(runs) == 1 and len(ax.lines) > 1:  # below the panel, where it covers no line
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3, frameon=False,
+                  handlelength=1.2, columnspacing=0.8)
+
 
 
 def _line(ax, metrics: pd.DataFrame, column: str, label: str, color: str, smooth: int) -> None:
@@ -209,15 +216,25 @@ def plot_sample(batch, row: int = 0, tokenizer=None) -> Figure:
 
 
 # ------------------------------------------------------------------------------------ dashboard
+LATEST = -1
+"""The rollout browser's "latest" choice: it follows the newest step (any other choice holds its step)."""
+
+
 class Dashboard:
     """A notebook panel over a run: progress, live curves, a browser over the last rollouts, a Stop button.
 
     `Dashboard(session)` registers a callback on the session, so every step (`s.step()`, `s.run(n)`, or
-    `start(n)`) updates it. The Stop button calls `session.request_stop()`: `run()` returns after the
-    step in progress. Jupyter handles a click only while no cell is executing, so `start(n)` trains in a
-    background thread and returns at once; `wait()` blocks until that run ends.
+    `start(n)`) updates it. Jupyter handles a click only while no cell is executing, so `start(n)` trains in a
+    background thread and returns at once; the Stop button (live only during such a run) ends it after the step
+    in progress. To wait for the run in a later cell, `await dash.wait_async()`: the cell waits and clicks are
+    still handled, also under Run All. The blocking `wait()` is for scripts: in a notebook it holds every click
+    until the run is over.
 
-    `Dashboard(metrics_df_or_path)` shows a finished run (no session: no rollouts, no Stop).
+    When a `start` run ends, every displayed copy of the dashboard is replaced by a static record, an image of
+    the curves titled with how the run ended, which a saved notebook shows without a kernel (a widget would show
+    "Error displaying widget"); display `dash` again for the live panel and its rollout browser.
+    `Dashboard(metrics_df_or_path)` shows a finished run, as that static record (no session: no rollouts, no Stop).
+
     Attributes for scripts and tests: `metrics`, `figure` (last drawn curves), the widgets `progress`,
     `status`, `stop_button`, `curves`, `step_picker`, `group_picker`, `samples`, and `widget` (all of it).
     """
@@ -229,7 +246,7 @@ class Dashboard:
         self.session = source if hasattr(source, "callbacks") else None
         rows = self.session.history if self.session is not None else load_metrics(source).to_dict("records")
         self._rows: list[dict] = list(rows)
-        self.label = _label(source)
+        self.label = getattr(self.session, "run_name", None) or _label(source)
         self.panels, self.smooth, self.refresh_seconds, self.max_chars = panels, smooth, refresh_seconds, max_chars
         self.figure: Figure | None = None
         self._rollouts: deque[tuple[int, pd.DataFrame]] = deque(maxlen=keep_steps)
@@ -238,14 +255,16 @@ class Dashboard:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._target: int | None = None
+        self._active = self._stopping = False  # a `start` run is going / was asked to stop
+        self._displays: list = []  # the IPython display handles of the live panel, replaced by the record at the end
 
         self.progress = w.IntProgress(min=0, max=1, description="steps", bar_style="info")
         self.status = w.HTML()
-        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
-                                    tooltip="run() returns after the step in progress", disabled=self.session is None)
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
+                                    tooltip="the run ends after the step in progress")
         self.stop_button.on_click(lambda _: self.stop())
         self.curves = w.Image(format="png")
-        self.step_picker = w.Dropdown(description="rollouts of", options=[])
+        self.step_picker = w.Dropdown(description="rollouts of", options=[("latest", LATEST)], value=LATEST)
         self.group_picker = w.IntSlider(description="prompt", min=0, max=0)
         self.samples = w.HTML()
         self.step_picker.observe(lambda _: self._show_rollouts(), names="value")
@@ -266,33 +285,61 @@ class Dashboard:
         with self._lock:
             return pd.DataFrame(self._rows)
 
+    @property
+    def running(self) -> bool:
+        """Whether a run started by `start` is going."""
+        return self._active
+
     def start(self, steps: int) -> None:
         """Train `steps` more steps in a background thread: the cell returns and the Stop button stays live.
-        Leave the session alone (no other cell calling it) until `wait()` returns."""
+        Leave the session alone (no other cell calling it) until the run ends (`await dash.wait_async()`)."""
         if self.session is None:
             raise RuntimeError("this dashboard shows a finished run: there is no session to train")
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("a run started from this dashboard is still going: stop() or wait() first")
-        self._target, self._error = self.session.step_count + steps, None
+        self._target, self._error, self._stopping, self._active = self.session.step_count + steps, None, False, True
         self._update_progress()
+        self.status.value = "starting…"
+        self.stop_button.disabled = False
         self._thread = threading.Thread(target=self._train, args=(steps,), name="rlbench-dashboard", daemon=True)
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> pd.DataFrame:
-        """Block until the run started by `start` ends; re-raise its error; return the session's metrics."""
+        """Block until the run started by `start` ends; re-raise its error; return the session's metrics.
+        Interrupting it (Ctrl-C, the kernel's interrupt) stops the run after the step in progress."""
         if self._thread is not None:
-            self._thread.join(timeout)
+            try:
+                self._thread.join(timeout)
+            except KeyboardInterrupt:
+                self.stop()
+                raise
             if self._thread.is_alive():
                 raise TimeoutError(f"the run is still going after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self.session.metrics
+        return self._result()
+
+    async def wait_async(self, timeout: float | None = None, poll_seconds: float = 0.1) -> pd.DataFrame:
+        """`wait()` for a notebook cell, as `await dash.wait_async()`: while it waits, the kernel goes on handling
+        widget events (the Stop button), which a blocking `wait()` holds until the run is over. Interrupting the
+        cell stops the run after the step in progress."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while self._thread is not None and self._thread.is_alive():
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the run is still going after {timeout} s")
+                await asyncio.sleep(poll_seconds)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            self.stop()
+            raise
+        return self._result()
 
     def stop(self) -> None:
-        """What the Stop button does: ask the session's `run()` to return after the step in progress."""
-        if self.session is not None:
-            self.session.request_stop()
-            self.status.value = "<b>stopping</b> after the step in progress…"
+        """What the Stop button does: end the session's run after the step in progress (nothing if none runs)."""
+        if self.session is None or not (self.running or self.session.running):
+            return
+        self._stopping = self.running
+        self.session.request_stop()
+        self.stop_button.disabled = True
+        self.status.value = "<b>stopping</b> after the step in progress…"
 
     def refresh(self) -> None:
         """Redraw the curves now (during a run they are redrawn after a step when `refresh_seconds` have
@@ -302,33 +349,64 @@ class Dashboard:
             self._update_progress()
             self.figure = draw(Figure(), {self.label: pd.DataFrame(self._rows)}, panels=self.panels,
                                smooth=self.smooth)
-            buffer = io.BytesIO()
-            self.figure.savefig(buffer, format="png", dpi=80)
-            self.curves.value = buffer.getvalue()
+            self.curves.value = _png(self.figure)
             self._drawn_rows, self._drawn_at = rows, time.perf_counter()
         if self.session is None:
-            self.status.value = f"finished run <b>{html.escape(self.label)}</b>: {rows} steps"
+            self.status.value = html.escape(self.summary())
             self.samples.value = "<i>rollouts are kept only while a session runs</i>"
 
+    def summary(self) -> str:
+        """One line on the run: how far it got, how it ended, its last reward and accuracy."""
+        done, row = len(self._rows), (self._rows[-1] if self._rows else {})
+        if self.session is None:
+            head = f"finished run {self.label}: {done} steps"
+        elif self._error is not None:
+            head = f"{self.label}: error after {done} steps: {self._error!r}"
+        elif self.running:
+            head = f"{self.label}: {done}/{self._target} steps"
+        elif self._target is not None:
+            ended = f"finished, {done} steps" if done >= self._target else f"stopped after {done}/{self._target} steps"
+            head = f"{self.label}: {ended}"
+        else:
+            head = f"{self.label}: {done} steps"
+        return " · ".join([head, *_values(row)])
+
+    def record(self) -> dict:
+        """The static record, a mimebundle: the curves as a PNG titled with `summary()`, and the line as text."""
+        with self._lock:
+            figure = draw(Figure(), {self.label: pd.DataFrame(self._rows)}, panels=self.panels, smooth=self.smooth,
+                          title=self.summary())
+        return {"image/png": base64.b64encode(_png(figure)).decode(), "text/plain": self.summary()}
+
     def close(self) -> None:
-        """Detach from the session and close the widgets."""
+        """Detach from the session, leave the static record where the panel was shown, and close the widgets."""
         if self.session is not None and self._on_step in self.session.callbacks:
             self.session.callbacks.remove(self._on_step)
+        self._leave_record()
         self.widget.close()
 
-    def _repr_mimebundle_(self, **kwargs):
+    def _ipython_display_(self) -> None:
+        """Shown in a notebook: the live panel while a session is attached, else the static record."""
+        from IPython.display import display
+
+        if self.session is None:
+            display(self.record(), raw=True)
+            return
         if self._drawn_rows != len(self._rows):
             self.refresh()
-        return self.widget._repr_mimebundle_(**kwargs)
+        self._displays.append(display(self.widget, display_id=True))
 
     # ----------------------------------------------------------------------------- internals
     def _on_step(self, session, row: dict) -> None:
         """The session callback: keep the row and the batch's rollouts, update the labels, maybe redraw."""
+        if self._stopping and self.running:  # again: a click may have come before the run began to listen
+            session.request_stop()
         with self._lock:
             self._rows.append(row)
             self._keep_rollouts(row["step"], session.last_batch)
             self._update_progress()
-            self.status.value = _summary(row)
+            if not self._stopping:
+                self.status.value = html.escape(" · ".join(_values(row)))
             if time.perf_counter() - self._drawn_at >= self.refresh_seconds:
                 self.refresh()
 
@@ -337,13 +415,24 @@ class Dashboard:
             self.session.run(steps, progress=False)
         except BaseException as error:  # shown on the dashboard, re-raised by wait()
             self._error = error
+        self._active = False
+        self.stop_button.disabled = True
         self.refresh()
-        last = self.session.step_count
+        self.status.value = html.escape(self.summary())
+        self._leave_record()
+
+    def _result(self) -> pd.DataFrame:
         if self._error is not None:
-            self.status.value = f"<b>error</b> at step {last}: {html.escape(repr(self._error))}"
-        else:
-            ended = "finished" if last >= self._target else "stopped"
-            self.status.value = f"<b>{ended}</b> after step {last - 1}. " + _summary(self._rows[-1])
+            raise self._error
+        return self.session.metrics
+
+    def _leave_record(self) -> None:
+        """Replace every displayed copy of the live panel with the static record."""
+        if self._displays:
+            record = self.record()
+            for handle in self._displays:
+                handle.update(record, raw=True)
+            self._displays.clear()
 
     def _update_progress(self) -> None:
         done = len(self._rows)
@@ -356,13 +445,18 @@ class Dashboard:
         if batch is None:
             return
         self._rollouts.append((step, rollout_table(batch)))
-        self.step_picker.options = [(f"step {s}", s) for s, _ in reversed(self._rollouts)]
-        self.step_picker.value = step
+        chosen = self.step_picker.value
+        steps = [s for s, _ in reversed(self._rollouts)]
+        self.step_picker.options = [("latest", LATEST)] + [(f"step {s}", s) for s in steps]
+        self.step_picker.value = chosen if chosen in steps else LATEST  # a held step stays until it is dropped
         self._show_rollouts()
 
     def _show_rollouts(self) -> None:
         """The samples of one prompt group of the chosen step: completion, reward, advantage, length."""
-        table = dict(self._rollouts).get(self.step_picker.value)
+        if not self._rollouts:
+            return
+        step = self.step_picker.value
+        table = self._rollouts[-1][1] if step == LATEST else dict(self._rollouts).get(step)
         if table is None:
             return
         groups = sorted(table["group"].unique())
@@ -371,16 +465,27 @@ class Dashboard:
         shown = group.drop(columns=["group", "prompt"]).assign(
             completion=[_short(c, self.max_chars) for c in group["completion"]])
         prompt = html.escape(_short(group["prompt"].iloc[0], self.max_chars))
-        head = f"<p><b>prompt</b> {prompt} ({len(group)} samples)</p>"
-        self.samples.value = head + shown.to_html(index=False, float_format=lambda v: f"{v:.3g}")
+        step_label = f"step {self._rollouts[-1][0] if step == LATEST else step}"
+        head = f"<p><b>{step_label}, prompt</b> {prompt} ({len(group)} samples)</p>"
+        self.samples.value = head + shown.to_html(index=False, float_format=lambda v: f"{v:.3g}", border=0,
+                                                  classes="rlbench-table") + TABLE_STYLE
 
 
-def _summary(row: dict) -> str:
-    parts = [f"step {row.get('step', '?')}"]
-    for name in ("reward_mean", "accuracy", "time_step"):
-        if name in row:
-            parts.append(f"{name} {row[name]:.3g}")
-    return html.escape(" · ".join(parts))
+TABLE_STYLE = ("<style>.rlbench-table{border-collapse:collapse;font-size:12px}"
+               ".rlbench-table th,.rlbench-table td{padding:2px 8px;text-align:right;border:none}"
+               ".rlbench-table thead{border-bottom:1px solid #bbb}"
+               ".rlbench-table tbody tr:nth-child(odd){background:#f5f5f5}</style>")
+"""The rollout browser's table in the look of a notebook's DataFrame (a widget's HTML gets no notebook styles)."""
+
+
+def _png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=80)
+    return buffer.getvalue()
+
+
+def _values(row: dict) -> list[str]:
+    return [f"{name} {row[name]:.3g}" for name in ("reward_mean", "accuracy", "time_step") if name in row]
 
 
 def _short(text, max_chars: int) -> str:
@@ -388,4 +493,4 @@ def _short(text, max_chars: int) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
 
 
-__all__ = ["PANELS", "TIMINGS", "Dashboard", "Panel", "draw", "load_metrics", "plot", "plot_sample", "rollout_table"]
+__all__ = ["LATEST", "PANELS", "TIMINGS", "Dashboard", "Panel", "draw", "load_metrics", "plot", "plot_sample", "rollout_table"]

@@ -1,3 +1,4 @@
+import base64
 import math
 import threading
 import time
@@ -38,7 +39,7 @@ def test_plot_has_every_panel_with_data(trained):
         for line in lines.values():
             assert list(line.get_xdata()) == [0, 1, 2] and all(math.isfinite(y) for y in line.get_ydata())
     panels = {ax.get_title(): ax for ax in fig.axes}
-    assert list(_lines(panels["stage timings (s)"])) == list(viz.TIMINGS)
+    assert list(_lines(panels["stage timings (s)"])) == ["rollout", "score", "advantage", "update", "sync"]
     reward = _lines(panels["reward"])["reward_mean"].get_ydata()
     assert list(reward) == trained.metrics["reward_mean"].tolist()
 
@@ -94,14 +95,76 @@ def test_dashboard_receives_rows_and_rollouts(tiny_dir):
     assert dash.curves.value[:4] == b"\x89PNG"
     reward = _lines(dash.figure.axes[0])["reward_mean"]
     assert list(reward.get_ydata()) == s.metrics["reward_mean"].tolist()
-    assert [value for _, value in dash.step_picker.options] == [2, 1, 0]  # newest first
+    assert [value for _, value in dash.step_picker.options] == [viz.LATEST, 2, 1, 0]  # "latest", then newest first
     last = viz.rollout_table(s.last_batch)
+    assert "step 2," in dash.samples.value
     assert all(c in dash.samples.value for c in last[last["group"] == 0]["completion"])
     dash.group_picker.value = 3
     assert last[last["group"] == 3]["prompt"].iloc[0] in dash.samples.value
-    assert "application/vnd.jupyter.widget-view+json" in dash._repr_mimebundle_()
+
+    dash.step_picker.value = 1  # an older step holds while training goes on
+    s.run(steps=1, progress=False)
+    assert dash.step_picker.value == 1 and "step 1," in dash.samples.value
+    dash.step_picker.value = viz.LATEST  # "latest" follows the newest
+    s.run(steps=1, progress=False)
+    assert dash.step_picker.value == viz.LATEST and "step 4," in dash.samples.value
     dash.close()
     assert dash._on_step not in s.callbacks
+
+
+@pytest.fixture
+def notebook_outputs():
+    """What IPython would send a notebook: (data, display_id, update) per output, from a real InteractiveShell whose
+    display publisher keeps the messages instead of sending them to a frontend."""
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sent = []
+
+    class Kept(DisplayPublisher):
+        def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
+            sent.append((data, (transient or {}).get("display_id"), update))
+
+    shell = InteractiveShell.instance()
+    shell.display_pub = Kept(shell=shell)
+    yield sent
+    InteractiveShell.clear_instance()
+
+
+def test_a_finished_run_leaves_a_static_record_where_the_dashboard_was(tiny_dir, notebook_outputs):
+    from IPython.display import display
+
+    s = rl.Session(**SMALL, seed=5, log_dir=None)
+    dash = viz.Dashboard(s)
+    assert dash.stop_button.disabled  # nothing runs yet
+    dash.start(2)
+    display(dash)
+    [(live, display_id, update)] = notebook_outputs
+    assert "application/vnd.jupyter.widget-view+json" in live and display_id and not update
+    dash.wait(timeout=60)
+    assert dash.stop_button.disabled and not dash.running
+    [(record, same_id, update)] = notebook_outputs[1:]  # the live panel's output replaced: no widget left in it
+    assert same_id == display_id and update and set(record) == {"image/png", "text/plain"}
+    assert "finished, 2 steps" in record["text/plain"] and s.run_name in record["text/plain"]
+    assert base64.b64decode(record["image/png"])[:4] == b"\x89PNG"
+
+    frozen = viz.Dashboard(s.metrics)  # a finished run is shown as its record straight away
+    display(frozen)
+    assert set(notebook_outputs[-1][0]) == {"image/png", "text/plain"} and "2 steps" in notebook_outputs[-1][0]["text/plain"]
+
+
+def test_notebook_progress_bar_is_a_plain_output_updated_in_place(notebook_outputs, capsys):
+    from rlbench.progress import NotebookBar
+
+    with NotebookBar(total=3, desc="my-run", mininterval=0) as bar:
+        for _ in range(3):
+            bar.update(1)
+    ids = {display_id for _, display_id, _ in notebook_outputs}
+    assert len(ids) == 1 and None not in ids  # one output, replaced as the bar moves
+    assert all(set(data) == {"text/plain"} for data, _, _ in notebook_outputs)
+    last = notebook_outputs[-1][0]["text/plain"]
+    assert last.startswith("my-run: 100%") and "3/3" in last
+    assert capsys.readouterr().err == ""  # nothing on stderr (a notebook shows it as a red block)
 
 
 def test_stop_button_ends_run_after_the_current_step(tiny_dir):
@@ -116,14 +179,17 @@ def test_stop_button_ends_run_after_the_current_step(tiny_dir):
     assert len(s.run(steps=10, progress=False)) == 2
     assert "stopping" in dash.status.value
     s.callbacks.remove(click_at_step_1)
-    assert len(s.run(steps=2, progress=False)) == 4  # a click does not stop the next run
+    dash.status.value = "idle"
+    dash.stop()  # with no run going: nothing
+    assert dash.status.value == "idle"
+    assert len(s.run(steps=2, progress=False)) == 4  # neither click stops the next run
 
 
 def test_start_trains_in_background_and_stop_works(tiny_dir):
     s = rl.Session(**SMALL, seed=3, log_dir=None)
     dash = viz.Dashboard(s)
     dash.start(1000)
-    assert dash.progress.description.endswith("/1000")
+    assert dash.progress.description.endswith("/1000") and not dash.stop_button.disabled and dash.running
     deadline = time.monotonic() + 60
     while not s.history and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -132,7 +198,8 @@ def test_start_trains_in_background_and_stop_works(tiny_dir):
     clicked_at = len(s.history)
     metrics = dash.wait(timeout=60)
     assert clicked_at <= len(metrics) <= clicked_at + 1  # the step in progress finishes, no more
-    assert "stopped" in dash.status.value and dash.metrics["step"].tolist() == metrics["step"].tolist()
+    assert "stopped after" in dash.status.value and dash.metrics["step"].tolist() == metrics["step"].tolist()
+    assert dash.stop_button.disabled and not dash.running
     assert not any(t.name == "rlbench-dashboard" and t.is_alive() for t in threading.enumerate())
 
 

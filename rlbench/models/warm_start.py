@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlbench.batch import left_pad
+from rlbench.progress import bar as progress_bar
 
 
 def cache_root() -> Path:
@@ -89,7 +89,7 @@ def supervised_warm_start(model: PreTrainedModel, inputs_N_T: torch.Tensor, labe
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     last_check = _snapshot(model, optimizer)
-    with tqdm(desc=f"building {name} (seed {seed})", unit="step") as bar:
+    with progress_bar(desc=f"building {name} (seed {seed})", unit="step") as bar:
         for step in range(1, max_steps + 1):
             model.train()
             rows_B = torch.randint(len(inputs_N_T), (batch_size,), generator=generator)
