@@ -229,7 +229,7 @@ class Session:
         if minis == 0:
             raise ValueError(f"update: the batch has {len(batch)} rows, fewer than world_size={cfg.world_size} (every "
                              f"rank needs a row)")
-        if cfg.vllm_sleep and self.sampler.choice.startswith("vllm"):  # a GPU shared with the policy
+        if cfg.vllm_sleep and self.sampler.choice == "vllm":  # a GPU shared with the policy
             self.sampler.sleep()
         with self._timed("update"):
             steps = []

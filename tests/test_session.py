@@ -19,6 +19,13 @@ def session(tiny_dir):
     return rl.Session(**SMALL, seed=0)
 
 
+def test_the_repr_names_the_sampler_and_the_handle_says_why(session):
+    assert repr(session).startswith("Session(model='tiny-arith', task='arithmetic', algorithm='grpo', "
+                                    "cluster='inline', sampler='hf', step=")
+    usable, why_not = rl.samplers.vllm.available()  # on a CPU "auto" takes hf either way
+    assert session.sampler.why == ("on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)" if usable else why_not)
+
+
 def test_stages_one_by_one(session):
     batch = session.rollout()
     assert len(batch) == 16
