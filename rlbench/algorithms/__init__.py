@@ -27,6 +27,7 @@ from .core import (
     ratio,
     reverse_kl_advantages,
     teacher_topk,
+    to_float,
     token_logp,
     token_logp_and_sum_pi2,
     kl,

@@ -1,5 +1,5 @@
 """Shared tensor math: masked statistics, token log-probs and ratios, outcome rewards, the loss reduction,
-KL estimators, entropy, the critic loss.
+KL estimators, entropy, the critic loss; a metric's value as a Python float.
 
 Notation (ALGORITHMS.md): `B` responses, `T` response tokens, `mask_B_T` is 1 on tokens the policy
 generated. Every function here is pure and works on any device and float dtype.
@@ -7,6 +7,8 @@ generated. Every function here is pure and works on any device and float dtype.
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +53,20 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     """`Σ x·m / (Σ m + 1e-8)` over `dim` (over everything when `dim` is None), verl's `masked_mean`."""
     mask = mask.to(x.dtype)
     return (x * mask).sum(dim=dim) / (mask.sum(dim=dim) + 1e-8)
+
+
+def to_float(x: torch.Tensor) -> float:
+    """A one-element tensor as a Python float; a float32 one (or narrower) as the shortest decimal that rounds back
+    to it in float32: 0.36, not 0.36000001430511475 (float32's value nearest 0.36, written out in float64). What
+    the metrics dicts hold; a float64 tensor's value is kept as it is."""
+    value = float(x.item())
+    if x.dtype == torch.float64 or not x.is_floating_point() or not math.isfinite(value):
+        return value
+    for digits in range(1, 9):
+        short = float(f"{value:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", short))[0] == value:
+            return short
+    return float(f"{value:.9g}")  # 9 significant digits always round-trip in float32
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
