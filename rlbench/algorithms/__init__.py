@@ -97,6 +97,7 @@ __all__ = [
     "register_loss",
     "reverse_kl_advantages",
     "teacher_topk",
+    "to_float",
     "token_logp",
     "token_logp_and_sum_pi2",
     "value_loss",
