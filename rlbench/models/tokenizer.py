@@ -48,13 +48,15 @@ def readable_decode(tokenizer, ids: Sequence[int]) -> str:
     """`tokenizer.decode(ids)` for showing tokens: bytes that form no UTF-8 character read `<0xNN>` instead of all
     becoming U+FFFD ("10<0xB7>9", not "10�9": a byte sampled on its own, a character cut by the length limit, a
     token shown alone that holds part of a character). For byte-level BPE tokenizers (the built-in ones, Qwen,
-    GPT-2, Llama 3); any other tokenizer's text is `decode`'s (a SentencePiece byte token is named `<0xNN>` there).
+    GPT-2, Llama 3); any other tokenizer's text is `decode`'s.
 
     For showing only: a reward reads the completion as `decode` gives it (a grader reading numbers would read the
     digits of `<0xNN>`)."""
     text = tokenizer.decode(ids)
+    if "\ufffd" not in text:
+        return text
     tokens = tokenizer.convert_ids_to_tokens(list(ids))
-    if "\ufffd" not in text or not all(symbol in _BYTE_OF for token in tokens for symbol in token):
+    if not all(symbol in _BYTE_OF for token in tokens for symbol in token):  # not byte-level BPE
         return text
     # surrogateescape: each undecodable byte b becomes the lone surrogate U+DC00 + b
     chars = bytes(_BYTE_OF[symbol] for token in tokens for symbol in token).decode("utf-8", "surrogateescape")
