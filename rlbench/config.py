@@ -32,7 +32,7 @@ class Config:
     """A preset name (`rl.algorithms.names()`) or an `rl.algorithms.Algorithm`."""
     sampler: Any = "auto"
     """"hf" (transformers decode loop), "vllm", "auto" (vLLM on a GPU where installed, else hf; the session's
-    `sampler_choice` says which and why), or a Sampler object (inline only)."""
+    `s.sampler.choice` says which, `s.sampler.why` why), or a Sampler object (inline only)."""
     vllm_kv_cache_bytes: int | None = None
     """vLLM sampler: KV cache size in bytes (None: rl.samplers.vllm.CPU_KV_CACHE_BYTES on CPU; on a GPU,
     what vllm_gpu_memory_utilization leaves after weights and activations)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlbench.algorithms import masked_mean, mismatch_metrics
+from rlbench.algorithms import masked_mean, mismatch_metrics, to_float
 from rlbench.batch import Batch
 
 
@@ -18,19 +18,19 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     valid = sampled_B_T.sum().clamp(min=1)
     mismatch = {}
     if "old_logp" in batch:
-        mismatch = {k: float(v) for k, v in mismatch_metrics(batch["old_logp"], batch["sampler_logp"], sampled_B_T).items()}
+        mismatch = {k: to_float(v) for k, v in mismatch_metrics(batch["old_logp"], batch["sampler_logp"], sampled_B_T).items()}
     if "teacher_logp" in batch:  # on-policy distillation: the reverse KL to the teacher per sampled token (k1)
         student_B_T = batch.tensors.get("old_logp", batch["sampler_logp"])
-        mismatch["teacher_kl"] = float(masked_mean(student_B_T - batch["teacher_logp"], sampled_B_T))
+        mismatch["teacher_kl"] = to_float(masked_mean(student_B_T - batch["teacher_logp"], sampled_B_T))
     return {
-        "reward_mean": float(batch["reward"].mean()),
-        "reward_std": float(batch["reward"].std()) if len(batch) > 1 else 0.0,
-        "score_mean": float(batch["score"].mean()),
-        "accuracy": float(accuracy(batch).mean()),
+        "reward_mean": to_float(batch["reward"].mean()),
+        "reward_std": to_float(batch["reward"].std()) if len(batch) > 1 else 0.0,
+        "score_mean": to_float(batch["score"].mean()),
+        "accuracy": to_float(accuracy(batch).mean()),
         "reward_errors": float(sum(e is not None for e in batch["reward_error"])),
-        "response_length": float(mask_B_T.sum(-1).mean()),
-        "truncated_frac": float((~batch["finished"]).float().mean()),
-        "advantage_abs_mean": float((batch["advantages"].abs() * sampled_B_T).sum() / valid),
+        "response_length": to_float(mask_B_T.sum(-1).mean()),
+        "truncated_frac": to_float((~batch["finished"]).float().mean()),
+        "advantage_abs_mean": to_float((batch["advantages"].abs() * sampled_B_T).sum() / valid),
     } | mismatch | (episode_metrics(batch) if "turns" in batch else {}) | {k: float(v) for k, v in batch.meta.items() if isinstance(v, (int, float))}
 
 
@@ -45,9 +45,9 @@ def episode_metrics(batch: Batch) -> dict[str, float]:
     calls = float(batch["tool_calls"].sum())
     reasons = batch["stop_reason"]
     return {
-        "turns_mean": float(batch["turns"].float().mean()),
-        "sampled_length": float(batch["loss_mask"].sum(-1).float().mean()),
-        "tool_calls_mean": float(batch["tool_calls"].float().mean()),
-        "tool_errors_mean": float(batch["tool_errors"].float().mean()),
+        "turns_mean": to_float(batch["turns"].float().mean()),
+        "sampled_length": to_float(batch["loss_mask"].sum(-1).float().mean()),
+        "tool_calls_mean": to_float(batch["tool_calls"].float().mean()),
+        "tool_errors_mean": to_float(batch["tool_errors"].float().mean()),
         "tool_success_rate": 1.0 - float(batch["tool_errors"].sum()) / calls if calls else 0.0,
     } | {f"ended_{r}": reasons.count(r) / len(reasons) for r in sorted(set(reasons))}

@@ -199,12 +199,12 @@ class Session:
                 rewards_B_T, batch_kl = algorithms.kl_in_reward(
                     rewards_B_T, columns["old_logp"], columns["ref_logp"], mask_B_T, coef=self.state.reward_kl.coef,
                     kind=algorithm.reward_kl_estimator)
-                meta = {"reward_kl": float(batch_kl), "reward_kl_coef": self.state.reward_kl.coef}
+                meta = {"reward_kl": algorithms.to_float(batch_kl), "reward_kl_coef": self.state.reward_kl.coef}
             if algorithm.correction is not None and not algorithm.bypass:  # (bypass: the loss corrects)
                 weights_B_T, loss_mask_B_T, stats = algorithm.correction(columns["old_logp"], batch["sampler_logp"], mask_B_T)
                 loss_mask_B_T = loss_mask_B_T * mask_B_T.to(loss_mask_B_T.dtype)
                 columns |= {"correction_weights": weights_B_T, "loss_mask": loss_mask_B_T}
-                meta |= {k: float(v) for k, v in stats.items()}
+                meta |= {k: algorithms.to_float(v) for k, v in stats.items()}
             components = batch.meta.get("reward_components") or []
             advantages_B_T, returns_B_T = algorithm.estimate(  # rejected tokens left the mask: no advantage
                 rewards_B_T, columns.get("loss_mask", mask_B_T), group_ids=batch["group_ids"],
@@ -229,7 +229,7 @@ class Session:
         if minis == 0:
             raise ValueError(f"update: the batch has {len(batch)} rows, fewer than world_size={cfg.world_size} (every "
                              f"rank needs a row)")
-        if cfg.vllm_sleep and self.sampler.choice.startswith("vllm"):  # a GPU shared with the policy
+        if cfg.vllm_sleep and self.sampler.choice == "vllm":  # a GPU shared with the policy
             self.sampler.sleep()
         with self._timed("update"):
             steps = []
@@ -482,8 +482,8 @@ class Session:
                 rollout = (self._play(examples, params) if self.workers.episodes is not None
                            else self.sampler.generate(examples, params))
                 scored = self.score(rollout)
-                result[f"{mode}_accuracy"] = float(accuracy(scored).mean())
-                result[f"{mode}_reward"] = float(scored["score"].mean())
+                result[f"{mode}_accuracy"] = algorithms.to_float(accuracy(scored).mean())
+                result[f"{mode}_reward"] = algorithms.to_float(scored["score"].mean())
         return result
 
     def episode(self, example: dict | None = None, *, greedy: bool = False):
@@ -545,8 +545,8 @@ class Session:
                                f"ago, more than max_staleness={K} (a bug in rlbench.rollouts: please report it)")
         hist = torch.bincount(staleness_G, minlength=K + 1).float() / len(staleness_G)
         return batch.with_columns(staleness=staleness_B).with_meta(
-            staleness_mean=float(staleness_G.float().mean()), staleness_max=int(staleness_G.max()),
-            **{f"staleness_{k}": float(hist[k]) for k in range(K + 1)})
+            staleness_mean=algorithms.to_float(staleness_G.float().mean()), staleness_max=int(staleness_G.max()),
+            **{f"staleness_{k}": algorithms.to_float(hist[k]) for k in range(K + 1)})
 
     def _check_origin(self, batch: Batch, stage: str) -> None:
         """ValueError when `batch` is another session's (another model, tokenizer or task: its token ids and

@@ -158,10 +158,12 @@ class CriticHandle:
 class SamplerHandle:
     """The sampler worker, with the tokenizer that turns examples into its prompts and its tokens into text."""
 
-    def __init__(self, workers: WorkerGroup, tokenizer, choice: str):
+    def __init__(self, workers: WorkerGroup, tokenizer, choice: str, why: str):
         self.workers, self.tokenizer = workers, tokenizer
         self.choice = choice
-        """Which sampler runs, and why (e.g. "hf: on CPU the hf sampler is faster ...")."""
+        """Which sampler runs: "hf", "vllm", or a given Sampler's class name."""
+        self.why = why
+        """Why that one (e.g. "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")."""
 
     def generate(self, examples_or_prompts: Sequence[dict | str | list], params: SamplingParams) -> Batch:
         """Sample `params.n` completions of each example (a dict with a "prompt") or prompt (text, or a list of
@@ -385,7 +387,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
         critic = group("critic", cfg.world_size) if separate else policy
         critic.build("critic", Critic, ranks(critic, seed=cfg.seed, optim=dataclasses.replace(
             optim, lr=cfg.critic_lr or cfg.lr)))
-    factory, kwargs, choice = _sampler_factory(cfg, model_dir, device)
+    factory, kwargs, choice, why = _sampler_factory(cfg, model_dir, device)
     if cfg.rollout_mode == "async":  # N rollout workers, each a sampler that takes new weights mid-generation
         def rollout_group(i: int) -> WorkerGroup:
             workers = group(f"rollout-{i}", 1, concurrency=4)  # a rollout, a weights push, an evaluation at once
@@ -399,13 +401,13 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
             rollout[i].workers = rollout_group(i)
             return rollout[i]
 
-        rollout = [SamplerHandle(rollout_group(i), tokenizer, choice) for i in range(cfg.rollout_workers)]
+        rollout = [SamplerHandle(rollout_group(i), tokenizer, choice, why) for i in range(cfg.rollout_workers)]
         sampler = rollout[0]
     else:
         rollout = restart_rollout = None
         sampler = group("sampler", 1)
         sampler.build("sampler", factory, [kwargs])
-        sampler = SamplerHandle(sampler, tokenizer, choice)
+        sampler = SamplerHandle(sampler, tokenizer, choice, why)
     scorer = episodes = None
     if isinstance(task, tasks.AgentTask):
         envs = group("envs", 1)
@@ -465,13 +467,13 @@ def check_sampler(sampler, cluster) -> None:
 
 
 def _sampler_factory(cfg: Config, model_dir: str, device: str):
-    """(factory, its keyword arguments, which sampler and why) for `cfg.sampler`.
+    """(factory, its keyword arguments, which sampler, why that one) for `cfg.sampler`.
 
     "auto" takes vLLM on a GPU; on a CPU the HF decode loop, measured faster there than vLLM's CPU build
     (benchmarks/vllm_sampler.py) and without its engine start-up.
     """
     if not isinstance(cfg.sampler, str):
-        return (lambda: cfg.sampler), {}, f"{type(cfg.sampler).__name__} (given)"
+        return (lambda: cfg.sampler), {}, type(cfg.sampler).__name__, "given (sampler=)"
     usable, why = vllm_sampler.available()
     if cfg.sampler == "vllm" and not usable:
         raise ValueError(f"sampler='vllm' cannot run here: {why}")
@@ -480,8 +482,8 @@ def _sampler_factory(cfg: Config, model_dir: str, device: str):
         settings = dict(kv_cache_bytes=cfg.vllm_kv_cache_bytes, max_model_len=cfg.vllm_max_model_len or longest,
                         enforce_eager=cfg.vllm_enforce_eager, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                         sleep_mode=cfg.vllm_sleep, lora=cfg.lora)
-        return VLLMSampler.from_pretrained, dict(model_dir=model_dir, **settings), f"vllm: {why}"
-    reason = ("asked for" if cfg.sampler == "hf" else why if not usable
+        return VLLMSampler.from_pretrained, dict(model_dir=model_dir, **settings), "vllm", why
+    reason = ("asked for (sampler='hf')" if cfg.sampler == "hf" else why if not usable
               else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")
     return (HFSampler.from_pretrained, dict(model_dir=model_dir, device=device, precision=cfg.precision, lora=cfg.lora),
-            f"hf: {reason}")
+            "hf", reason)

@@ -169,7 +169,7 @@ def sleepy_rollouts(rng: random.Random, K: int, P: int, workers: int, monkeypatc
         group = WorkerGroup(f"rollout-{i}", 1, ray=False, threads=None)
         speed = random.Random(rng.random())
         group.build("sampler", lambda: PartialRollouts(SleepySampler(speed)), [{}])
-        return SamplerHandle(group, Tokenizer(), "sleepy")
+        return SamplerHandle(group, Tokenizer(), "SleepySampler", "a test's sampler of random speed")
 
     drawn = iter(range(10**6))
     return AsyncRollouts(

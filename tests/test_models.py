@@ -60,6 +60,17 @@ def test_special_tokens(tokenizer):
     assert tokenizer.decode(ids, skip_special_tokens=True) == "46"
 
 
+def test_readable_decode_names_the_bytes_that_form_no_character(tokenizer):
+    stray = tokenizer.convert_tokens_to_ids("·")  # the byte 0xB7 (byte-level BPE's symbol for it): no character alone
+    ids = tokenizer.encode("10") + [stray] + tokenizer.encode("9")
+    assert tokenizer.decode(ids) == "10\ufffd9"
+    assert models.readable_decode(tokenizer, ids) == "10<0xB7>9"
+    e_acute = tokenizer.encode("é")  # the bytes C3 A9: together the character, one by one two bytes
+    assert models.readable_decode(tokenizer, e_acute) == "é"
+    assert [models.readable_decode(tokenizer, [i]) for i in e_acute] == ["<0xC3>", "<0xA9>"]
+    assert models.readable_decode(tokenizer, tokenizer.encode("12+34=") + [tokenizer.eos_token_id]) == "12+34=<eos>"
+
+
 def test_left_padding_survives_save_and_load(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)

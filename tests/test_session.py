@@ -19,6 +19,13 @@ def session(tiny_dir):
     return rl.Session(**SMALL, seed=0)
 
 
+def test_the_repr_names_the_sampler_and_the_handle_says_why(session):
+    assert repr(session).startswith("Session(model='tiny-arith', task='arithmetic', algorithm='grpo', "
+                                    "cluster='inline', sampler='hf', step=")
+    usable, why_not = rl.samplers.vllm.available()  # on a CPU "auto" takes hf either way
+    assert session.sampler.why == ("on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)" if usable else why_not)
+
+
 def test_stages_one_by_one(session):
     batch = session.rollout()
     assert len(batch) == 16
@@ -42,6 +49,8 @@ def test_stages_one_by_one(session):
 
     stats = session.update(batch)
     assert {"loss", "pg_loss", "kl_loss", "entropy", "grad_norm", "lr"} <= set(stats)
+    # float32 values as their shortest decimals (0.36, not 0.36000001430511475), which have at most 9 digits
+    assert all(value == float(f"{value:.9g}") for value in stats.values()), stats
     assert session.step_count == 0  # the single stages do not count as a step
 
 
@@ -54,6 +63,8 @@ def test_run_metrics_and_evaluate(session):
     result = session.evaluate(max_prompts=20)
     assert set(result) == {"greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward"}
     assert all(0.0 <= v <= 1.0 for v in result.values())
+    # a share of 20 greedy answers is k/20 exactly (0.35, not float32's 0.3499999940395355)
+    assert result["greedy_accuracy"] == round(result["greedy_accuracy"] * 20) / 20
 
 
 def test_rollout_correction_rejected_tokens_get_no_advantage(tiny_dir):

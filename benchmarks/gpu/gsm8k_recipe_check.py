@@ -56,9 +56,9 @@ def main():
         show("recipe", path=recipe.path, steps=recipe.steps, algorithm=recipe.session["algorithm"],
                overrides=overrides)
         with rl.Session(**recipe.session_kwargs()) as session:
-            if not session.sampler.choice.startswith("vllm"):
+            if session.sampler.choice != "vllm":
                 failed.append("sampler")
-            show("sampler", choice=session.sampler.choice)
+            show("sampler", choice=session.sampler.choice, why=session.sampler.why)
             before = session.evaluate(max_prompts=args.eval_prompts)
             for _ in range(recipe.steps):
                 row = session.step()

@@ -27,6 +27,7 @@ import torch
 from rlbench.agents.parsers import ToolCall
 from rlbench.agents.render import KINDS
 from rlbench.batch import Batch, left_pad
+from rlbench.models import readable_decode
 
 SAMPLED = KINDS.index("sampled")
 ENDS = ("eos", "tool_call", "max_tokens", "context_full", "max_turns", "env_done", "error")
@@ -159,7 +160,7 @@ class Episode:
         tokenizer = tokenizer or (self._runner.tokenizer if self._runner is not None else None)
         return pd.DataFrame({
             "position": range(len(self.prompt_ids), len(self.prompt_ids) + len(self.ids)), "token_id": self.ids,
-            **({"text": [tokenizer.decode([t]) for t in self.ids]} if tokenizer is not None else {}),
+            **({"text": [readable_decode(tokenizer, [t]) for t in self.ids]} if tokenizer is not None else {}),
             "kind": [KINDS[k] for k in self.kinds], "turn": self.turn_of, "trainable": [k == SAMPLED for k in self.kinds],
             "sampler_logp": [lp if k == SAMPLED else None for lp, k in zip(self.logps, self.kinds)],
             "version": self.versions})
@@ -181,12 +182,12 @@ class Episode:
             kind = KINDS[k]
             tip = f"{kind}, turn {turn}" + (f", logp {lp:.3f}" if k == SAMPLED else "")
             spans.append(f'<span title="{tip}" style="background:{colours[kind]}">'
-                         f"{html.escape(tokenizer.decode([t]))}</span>")
+                         f"{html.escape(readable_decode(tokenizer, [t]))}</span>")
         turns = "".join(f"<li>turn {i}: {t.stop_reason}" + (f", {len(t.calls)} call(s)" if t.calls else "") +
                         "".join(f"; <i>{html.escape(e)}</i>" for e in t.errors) + "</li>"
                         for i, t in enumerate(self.turns))
         legend = " ".join(f'<span style="background:{c}">{k}</span>' for k, c in colours.items())
-        return (f"<div><pre style='white-space:pre-wrap'>{html.escape(tokenizer.decode(self.prompt_ids))}"
+        return (f"<div><pre style='white-space:pre-wrap'>{html.escape(readable_decode(tokenizer, self.prompt_ids))}"
                 f"{''.join(spans)}</pre><p>{legend} · ended: {self.stop_reason or 'running'}"
                 f"{'' if self.score is None else f' · score {self.score:.3g}'}</p><ul>{turns}</ul></div>")
 

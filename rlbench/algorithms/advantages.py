@@ -1,18 +1,18 @@
 """Advantage estimators (ALGORITHMS.md §1), registered by name.
 
-Every estimator has the signature ``f(rewards_B_T, mask_B_T, *, <data keywords it uses>, **hparams) ->
-(advantages_B_T, returns_B_T)``; it declares only the data it reads (``registry.ADVANTAGE_DATA``: ``group_ids``,
-``values_B_T``, ``baselines_B``, ``old_logp_B_T``, ``reward_components_B_K``, ``sum_pi2_B_T`` and ``is_weights_B_T``
-that ``otb.py`` reads, and the per-turn data of agentic tasks that ``turns.py`` reads) and receives only those.
-Rewards are token-level: an outcome score sits on the last valid token, so ``s_i = rewards_B_T.sum(-1)``.
-``group_ids`` (``[B]``, any integers) marks the samples of one prompt. Outputs are 0 on invalid tokens; outcome
+Every estimator has the signature `f(rewards_B_T, mask_B_T, *, <data keywords it uses>, **hparams) ->
+(advantages_B_T, returns_B_T)`; it declares only the data it reads (`registry.ADVANTAGE_DATA`: `group_ids`,
+`values_B_T`, `baselines_B`, `old_logp_B_T`, `reward_components_B_K`, `sum_pi2_B_T` and `is_weights_B_T`
+that `otb.py` reads, and the per-turn data of agentic tasks that `turns.py` reads) and receives only those.
+Rewards are token-level: an outcome score sits on the last valid token, so `s_i = rewards_B_T.sum(-1)`.
+`group_ids` (`[B]`, any integers) marks the samples of one prompt. Outputs are 0 on invalid tokens; outcome
 estimators return the advantages as returns (verl's convention).
 
 The mask may have holes (a multi-turn episode's loss mask is 0 on tool output between sampled turns). A hole
 is not a step: every estimator gives on a holed row what it gives on the compacted row (the valid tokens
-only, contiguous), scattered back, with 0 on the holes; except ``otb``, which aligns raw positions across a
-group as verl's does (``tir_otb`` is its form for holed masks). Rewards must sit on valid tokens (``outcome_rewards``
-and ``kl_in_reward`` put them there).
+only, contiguous), scattered back, with 0 on the holes; except `otb`, which aligns raw positions across a
+group as verl's does (`tir_otb` is its form for holed masks). Rewards must sit on valid tokens (`outcome_rewards`
+and `kl_in_reward` put them there).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _grpo_scores(scores_B: torch.Tensor, group_ids, norm_by_std: bool, epsilon: 
 
 
 def _returns_to_go(rewards_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = r_t + γ G_{t+1}`` over valid tokens; a masked token carries the running return and stores 0."""
+    """`G_t = r_t + γ G_{t+1}` over valid tokens; a masked token carries the running return and stores 0."""
     valid_B_T = mask_B_T.bool()
     running_B = torch.zeros_like(rewards_B_T[:, 0])
     returns_B_T = torch.zeros_like(rewards_B_T)
@@ -108,7 +108,7 @@ def reinforce_plus_plus(rewards_B_T, mask_B_T, *, gamma: float = 1.0):
 
         G_t = r_t + γ G_{t+1} (masked tokens carry G and store 0);   A = masked_whiten(G, m)·m
 
-    Differs from REINFORCE by the batch whitening; usually with the KL in the reward. Returns ``G``.
+    Differs from REINFORCE by the batch whitening; usually with the KL in the reward. Returns `G`.
     Hu et al., REINFORCE++, arXiv:2501.03262.
     """
     returns_B_T = _returns_to_go(rewards_B_T, mask_B_T, gamma)
@@ -121,7 +121,7 @@ def remax(rewards_B_T, mask_B_T, *, baselines_B=None):
 
         A_t = G_t - b_i on valid tokens,   G_t = Σ_{t'≥t} r_t',   b_i = score of the greedy response
 
-    Differs from REINFORCE by the greedy baseline (``Algorithm.needs_greedy_baseline``). Returns ``G``.
+    Differs from REINFORCE by the greedy baseline (`Algorithm.needs_greedy_baseline`). Returns `G`.
     Li et al., ReMax, arXiv:2310.10505.
     """
     if baselines_B is None:
@@ -195,7 +195,7 @@ def gae(rewards_B_T, mask_B_T, *, values_B_T=None, gamma: float = 1.0, lam: floa
         δ_t = r_t + γ V_{t+1} - V_t,   Â_t = δ_t + γλ Â_{t+1}   (t+1 = the next valid token: holes are skipped)
         returns = Â + V,   A = masked_whiten(Â, m)
 
-    Differs from Monte-Carlo returns by bootstrapping from ``values_B_T`` (``Algorithm.needs_critic``).
+    Differs from Monte-Carlo returns by bootstrapping from `values_B_T` (`Algorithm.needs_critic`).
     Schulman et al., High-Dimensional Continuous Control Using GAE, arXiv:1506.02438.
     """
     if values_B_T is None:
@@ -222,8 +222,8 @@ def gdpo(
         A = masked_whiten(Σ_k w_k·grpo(s_{·,k}), m)·m
 
     Differs from GRPO on a summed reward by keeping a dominant component from drowning the others.
-    ``reward_components_B_K`` holds the per-component scores (default: the summed score, K = 1);
-    ``component_weights`` the K weights (default 1). Group reward-Decoupled normalisation, arXiv:2601.05242.
+    `reward_components_B_K` holds the per-component scores (default: the summed score, K = 1);
+    `component_weights` the K weights (default 1). Group reward-Decoupled normalisation, arXiv:2601.05242.
     """
     scores_B_K = rewards_B_T.sum(-1, keepdim=True) if reward_components_B_K is None else reward_components_B_K
     weights_K = [1.0] * scores_B_K.shape[1] if component_weights is None else list(component_weights)

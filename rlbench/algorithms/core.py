@@ -1,12 +1,14 @@
 """Shared tensor math: masked statistics, token log-probs and ratios, outcome rewards, the loss reduction,
-KL estimators, entropy, the critic loss.
+KL estimators, entropy, the critic loss; a metric's value as a Python float.
 
-Notation (ALGORITHMS.md): ``B`` responses, ``T`` response tokens, ``mask_B_T`` is 1 on tokens the policy
+Notation (ALGORITHMS.md): `B` responses, `T` response tokens, `mask_B_T` is 1 on tokens the policy
 generated. Every function here is pure and works on any device and float dtype.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -16,29 +18,29 @@ KL_KINDS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+")
 
 
 def token_logp(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
-    """``log softmax(logits)[id]`` per token, without materialising the whole log-softmax (the one
+    """`log softmax(logits)[id]` per token, without materialising the whole log-softmax (the one
     definition the sampler and the trainer share: their log-probs then agree by construction)."""
     return logits_B_T_V.gather(-1, ids_B_T[..., None]).squeeze(-1) - logits_B_T_V.logsumexp(-1)
 
 
 def token_logp_and_sum_pi2(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``token_logp`` and ``Σ_v π_v² = exp(logsumexp(2z) - 2·logsumexp(z))`` per token (OTB's input), from one
-    ``logsumexp(z)``; the probabilities ``[B, T, V]`` are never materialised (only ``2z``, once)."""
+    """`token_logp` and `Σ_v π_v² = exp(logsumexp(2z) - 2·logsumexp(z))` per token (OTB's input), from one
+    `logsumexp(z)`; the probabilities `[B, T, V]` are never materialised (only `2z`, once)."""
     lse_B_T = logits_B_T_V.logsumexp(-1)
     logp_B_T = logits_B_T_V.gather(-1, ids_B_T[..., None]).squeeze(-1) - lse_B_T
     return logp_B_T, torch.exp((2 * logits_B_T_V).logsumexp(-1) - 2 * lse_B_T)
 
 
 def ratio(logp_B_T: torch.Tensor, old_logp_B_T: torch.Tensor, max_log_ratio: float = 20.0) -> torch.Tensor:
-    """The importance ratio ``r = exp(clamp(logp - old_logp, ±max_log_ratio))`` (the clamp keeps it finite)."""
+    """The importance ratio `r = exp(clamp(logp - old_logp, ±max_log_ratio))` (the clamp keeps it finite)."""
     return torch.exp(torch.clamp(logp_B_T - old_logp_B_T, -max_log_ratio, max_log_ratio))
 
 
 def outcome_rewards(reward_B: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
-    """Token-level rewards ``[B, T]``: each sample's score on its last valid token, 0 elsewhere.
+    """Token-level rewards `[B, T]`: each sample's score on its last valid token, 0 elsewhere.
 
     The last valid token is the last position where the mask is 1: with a multi-turn loss mask, which has
-    holes (tool output between sampled turns), it is not ``Σ m - 1``. A row without valid token gets nothing.
+    holes (tool output between sampled turns), it is not `Σ m - 1`. A row without valid token gets nothing.
     """
     rewards_B_T = torch.zeros(mask_B_T.shape, dtype=torch.float32, device=mask_B_T.device)
     positions_B_T = torch.arange(mask_B_T.shape[-1], device=mask_B_T.device).expand(mask_B_T.shape)
@@ -48,13 +50,27 @@ def outcome_rewards(reward_B: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Ten
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """``Σ x·m / (Σ m + 1e-8)`` over ``dim`` (over everything when ``dim`` is None), verl's ``masked_mean``."""
+    """`Σ x·m / (Σ m + 1e-8)` over `dim` (over everything when `dim` is None), verl's `masked_mean`."""
     mask = mask.to(x.dtype)
     return (x * mask).sum(dim=dim) / (mask.sum(dim=dim) + 1e-8)
 
 
+def to_float(x: torch.Tensor) -> float:
+    """A one-element tensor as a Python float; a float32 one (or narrower) as the shortest decimal that rounds back
+    to it in float32: 0.36, not 0.36000001430511475 (float32's value nearest 0.36, written out in float64). What
+    the metrics dicts hold; a float64 tensor's value is kept as it is."""
+    value = float(x.item())
+    if x.dtype == torch.float64 or not x.is_floating_point() or not math.isfinite(value):
+        return value
+    for digits in range(1, 9):
+        short = float(f"{value:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", short))[0] == value:
+            return short
+    return float(f"{value:.9g}")  # 9 significant digits always round-trip in float32
+
+
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Unbiased masked variance ``masked_mean((x - mean)², m) · N/(N-1)`` with ``N = Σ m``.
+    """Unbiased masked variance `masked_mean((x - mean)², m) · N/(N-1)` with `N = Σ m`.
 
     Like verl, fewer than two valid elements is an error (the unbiased variance does not exist).
     """
@@ -66,12 +82,12 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(x - masked_mean) · rsqrt(masked_var + 1e-8)``, statistics over the whole batch."""
+    """`(x - masked_mean) · rsqrt(masked_var + 1e-8)`, statistics over the whole batch."""
     return (x - masked_mean(x, mask)) * torch.rsqrt(masked_var(x, mask) + 1e-8)
 
 
 def group_index(group_ids_B, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense group index ``g_B`` in ``[0, G)`` for arbitrary integer ids, and the group sizes ``n_G``."""
+    """Dense group index `g_B` in `[0, G)` for arbitrary integer ids, and the group sizes `n_G`."""
     _, g_B = torch.unique(torch.as_tensor(group_ids_B, device=device), return_inverse=True)
     return g_B, torch.bincount(g_B)
 
@@ -98,10 +114,10 @@ def aggregate(
         seq-mean-token-mean      Σ_i (Σ_t L·m / (Σ_t m + 1e-8)) / B     (original GRPO, GSPO)
         seq-mean-token-sum-norm  Σ L·m / (B·T_norm)                     (Dr.GRPO, arXiv:2503.20783)
 
-    ``num_tokens`` (N) and ``num_seqs`` (B) are the counts of the whole mini-batch across ranks; the trainer
+    `num_tokens` (N) and `num_seqs` (B) are the counts of the whole mini-batch across ranks; the trainer
     passes them when it splits the mini-batch into micro-batches, so that the summed micro-batch losses equal
-    the mini-batch loss whatever the split. They default to this tensor's own counts (``mask.sum()``, rows).
-    ``norm_length`` is ``T_norm`` (default ``mask.shape[-1]``: pass a constant when micro-batches are padded
+    the mini-batch loss whatever the split. They default to this tensor's own counts (`mask.sum()`, rows).
+    `norm_length` is `T_norm` (default `mask.shape[-1]`: pass a constant when micro-batches are padded
     to different lengths).
     """
     mask_B_T = mask_B_T.to(loss_B_T.dtype)
@@ -129,11 +145,11 @@ _KL_ESTIMATORS = {"k1": lambda d: d, "abs": torch.abs, "k2": lambda d: 0.5 * d.s
 
 
 def kl(logp_B_T: torch.Tensor, ref_logp_B_T: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL estimate between the policy and the reference, ``k = logp - ref_logp``.
+    """Per-token KL estimate between the policy and the reference, `k = logp - ref_logp`.
 
         k1 = k      abs = |k|      k2 = ½k²      k3 = clamp(e^κ - κ - 1, -10, 10),  κ = clamp(-k, -20, 20)
 
-    A ``+`` suffix (``"k3+"``) is straight-through: the value of the base estimator, the gradient of k2
+    A `+` suffix (`"k3+"`) is straight-through: the value of the base estimator, the gradient of k2
     (the unbiased gradient of KL). Schulman, "Approximating KL divergence" (2020); k3 is GRPO's choice
     (arXiv:2402.03300).
     """
@@ -156,10 +172,10 @@ def kl_in_reward(
     coef: float,
     kind: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL in the reward, PPO's way: ``r_t ← r_t - β·kl_t`` on valid tokens.
+    """KL in the reward, PPO's way: `r_t ← r_t - β·kl_t` on valid tokens.
 
-    ``logp_B_T`` are the log-probs of the policy that produced the batch. Returns the penalised rewards and
-    the batch KL ``mean_i masked_mean_t(kl)`` (detached), the value ``AdaptiveKL.update`` expects.
+    `logp_B_T` are the log-probs of the policy that produced the batch. Returns the penalised rewards and
+    the batch KL `mean_i masked_mean_t(kl)` (detached), the value `AdaptiveKL.update` expects.
     """
     kl_B_T = kl(logp_B_T, ref_logp_B_T, kind) * mask_B_T.to(logp_B_T.dtype)
     batch_kl = masked_mean(kl_B_T, mask_B_T, dim=-1).mean()
@@ -168,11 +184,11 @@ def kl_in_reward(
 
 @dataclass
 class AdaptiveKL:
-    """The KL-in-reward coefficient β, fixed (``target=None``) or adaptive (Ziegler et al., arXiv:1909.08593).
+    """The KL-in-reward coefficient β, fixed (`target=None`) or adaptive (Ziegler et al., arXiv:1909.08593).
 
         β ← β·(1 + clip(KL/target - 1, -0.2, 0.2)·n/horizon)
 
-    ``n`` is the number of responses the KL was measured on.
+    `n` is the number of responses the KL was measured on.
     """
 
     coef: float
@@ -191,7 +207,7 @@ class AdaptiveKL:
 
 
 def entropy_from_logits(logits_B_T_V: torch.Tensor) -> torch.Tensor:
-    """Token entropy ``H = logsumexp(z) - Σ softmax(z)·z`` from logits ``z`` over the vocabulary."""
+    """Token entropy `H = logsumexp(z) - Σ softmax(z)·z` from logits `z` over the vocabulary."""
     probs_B_T_V = torch.softmax(logits_B_T_V, dim=-1)
     return torch.logsumexp(logits_B_T_V, dim=-1) - (probs_B_T_V * logits_B_T_V).sum(-1)
 
@@ -208,9 +224,9 @@ def value_loss(
     num_seqs=None,
     norm_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped critic loss ``½·agg(max((v - R)², (clip(v, v_old - c, v_old + c) - R)²))`` (PPO, arXiv:1707.06347).
+    """Clipped critic loss `½·agg(max((v - R)², (clip(v, v_old - c, v_old + c) - R)²))` (PPO, arXiv:1707.06347).
 
-    Metrics: ``vf_clip_frac``, the fraction of valid tokens where the clipped term is the larger.
+    Metrics: `vf_clip_frac`, the fraction of valid tokens where the clipped term is the larger.
     """
     clipped_B_T = torch.clamp(values_B_T, old_values_B_T - clip_range, old_values_B_T + clip_range)
     unclipped_loss_B_T = (values_B_T - returns_B_T) ** 2
@@ -224,15 +240,15 @@ def value_loss(
 
 
 REVERSE_KL_KINDS = ("k1", "k3")
-"""Estimators of the per-token reverse KL the distillation advantage takes (``kl``'s k1 and k3)."""
+"""Estimators of the per-token reverse KL the distillation advantage takes (`kl`'s k1 and k3)."""
 
 
 def reverse_kl_advantages(old_logp_B_T: torch.Tensor, teacher_logp_B_T: torch.Tensor, mask_B_T: torch.Tensor,
                           estimator: str = "k1") -> torch.Tensor:
-    """``-k(logπ_student, logπ_teacher)`` per sampled token, 0 on invalid tokens.
+    """`-k(logπ_student, logπ_teacher)` per sampled token, 0 on invalid tokens.
 
         k1 = logπ_s - logπ_t        k3 = e^κ - κ - 1,  κ = logπ_t - logπ_s   (both estimate KL(π_s || π_t) on
-        tokens drawn from π_s; k1 is unbiased and signed, k3 non-negative; see ``kl``)
+        tokens drawn from π_s; k1 is unbiased and signed, k3 non-negative; see `kl`)
     """
     if estimator not in REVERSE_KL_KINDS:
         raise ValueError(f"unknown reverse-KL estimator {estimator!r}; valid: {', '.join(REVERSE_KL_KINDS)}")
@@ -240,9 +256,9 @@ def reverse_kl_advantages(old_logp_B_T: torch.Tensor, teacher_logp_B_T: torch.Te
 
 
 def teacher_topk(logits_B_T_V: torch.Tensor, k: int, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher's ``k`` most likely tokens per position: ``(log-probs [B, T, k], ids [B, T, k])``, the
-    log-probs normalised over the whole vocabulary. ``vocab`` limits the candidates to the first ids (a teacher
-    whose embedding has more padding rows than the student's); ``k`` at least the vocabulary: the full
+    """The teacher's `k` most likely tokens per position: `(log-probs [B, T, k], ids [B, T, k])`, the
+    log-probs normalised over the whole vocabulary. `vocab` limits the candidates to the first ids (a teacher
+    whose embedding has more padding rows than the student's); `k` at least the vocabulary: the full
     distribution."""
     candidates_B_T_V = logits_B_T_V if vocab is None else logits_B_T_V[..., :vocab]
     values_B_T_K, ids_B_T_K = candidates_B_T_V.topk(min(k, candidates_B_T_V.shape[-1]), dim=-1)
@@ -250,13 +266,13 @@ def teacher_topk(logits_B_T_V: torch.Tensor, k: int, vocab: int | None = None) -
 
 
 def forward_kl_topk(student_topk_logp_B_T_K: torch.Tensor, teacher_topk_logp_B_T_K: torch.Tensor):
-    """Forward KL to the teacher over its top-k tokens (verl's ``forward_kl_topk``; GKD's supervised term):
+    """Forward KL to the teacher over its top-k tokens (verl's `forward_kl_topk`; GKD's supervised term):
 
         D_t = Σ_{v ∈ topk_t} p_t(v)·(log p_t(v) - log q_s(v)),   p the teacher, q the student, both normalised over
         the whole vocabulary (not renormalised on the top-k; with k = V it is the exact KL(p || q)). With k < V its
         minimum is not q = p but q = p renormalised on the top-k: the term also pulls mass off the teacher's tail.
 
-    Returns ``(D_B_T, teacher_mass_B_T, student_mass_B_T)``: the term, and the probability each puts on the top-k."""
+    Returns `(D_B_T, teacher_mass_B_T, student_mass_B_T)`: the term, and the probability each puts on the top-k."""
     p_B_T_K = teacher_topk_logp_B_T_K.exp()
     divergence_B_T = (p_B_T_K * (teacher_topk_logp_B_T_K - student_topk_logp_B_T_K)).sum(-1)
     return divergence_B_T, p_B_T_K.sum(-1), student_topk_logp_B_T_K.exp().sum(-1)

@@ -1,9 +1,9 @@
 """Rollout correction: the sampler and the trainer disagree (other kernels, dtypes, stale weights).
 
-``log ρ_t = old_logp_t - sampler_logp_t`` is the log-ratio of the trainer's probability of a sampled token
-to the sampler's (ALGORITHMS.md §6). Its statistic is taken per token, per sequence (``Σ_t log ρ_t``) or as
-the per-sequence geometric mean (``mean_t log ρ_t``), and turned into detached importance weights that
-multiply the per-token policy loss, or into a rejection mask. ``Rejection`` rules add verl 0.9.1's rejection
+`log ρ_t = old_logp_t - sampler_logp_t` is the log-ratio of the trainer's probability of a sampled token
+to the sampler's (ALGORITHMS.md §6). Its statistic is taken per token, per sequence (`Σ_t log ρ_t`) or as
+the per-sequence geometric mean (`mean_t log ρ_t`), and turned into detached importance weights that
+multiply the per-token policy loss, or into a rejection mask. `Rejection` rules add verl 0.9.1's rejection
 on divergence statistics (k1, k2, k3 per token, or a sequence's sum, mean or max of them; ALGORITHMS.md §9).
 """
 
@@ -31,7 +31,7 @@ _DIVERGENCES = {
 def log_ratio(
     old_logp_B_T: torch.Tensor, sampler_logp_B_T: torch.Tensor, mask_B_T: torch.Tensor, level: str
 ) -> torch.Tensor:
-    """``clamp(log ρ, ±20)`` at ``level``, broadcast to every token of its sequence (0 on invalid tokens)."""
+    """`clamp(log ρ, ±20)` at `level`, broadcast to every token of its sequence (0 on invalid tokens)."""
     mask_B_T = mask_B_T.to(old_logp_B_T.dtype)
     log_rho_B_T = (old_logp_B_T - sampler_logp_B_T) * mask_B_T
     if level == "sequence":
@@ -46,8 +46,8 @@ def mismatch_metrics(
 ) -> dict[str, torch.Tensor]:
     """How far the sampler is from the trainer on the sampled tokens; a broken weight sync shows here first.
 
-    ``sampler_mismatch_mean`` / ``_max`` = mean / max |Δlogp|; ``sampler_kl`` = k1 and ``sampler_kl_k3`` = k3
-    estimates of KL(sampler ‖ trainer); ``sampler_ratio_max`` / ``_min`` = extreme token ratios ``ρ_t``
+    `sampler_mismatch_mean` / `_max` = mean / max |Δlogp|; `sampler_kl` = k1 and `sampler_kl_k3` = k3
+    estimates of KL(sampler ‖ trainer); `sampler_ratio_max` / `_min` = extreme token ratios `ρ_t`
     (Δlogp clamped at ±20). The one place these are computed (the session logs them once per step).
     """
     old_logp_B_T, sampler_logp_B_T = old_logp_B_T.detach(), sampler_logp_B_T.detach()
@@ -71,14 +71,14 @@ def _check_band(low: float | None, high: float) -> None:
 
 @dataclass(frozen=True)
 class Rejection:
-    """A rejection rule on a divergence statistic of ``log ρ`` (verl 0.9.1 ``rollout_rs``, docs/algo/rollout_corr.md).
+    """A rejection rule on a divergence statistic of `log ρ` (verl 0.9.1 `rollout_rs`, docs/algo/rollout_corr.md).
 
         per token, log ρ clamped at ±20:   k1 = -log ρ      k2 = ½(log ρ)²      k3 = ρ - 1 - log ρ
         level   token: each token's k      seq_sum: Σ_t k      seq_mean: Σ_t k / n_valid      seq_max: max_t k
         keep    k1: log low <= statistic <= log high      k2, k3: statistic <= high
 
-    ``low`` / ``high`` of k1 are ratios, as verl's ``"0.5_2.0"``: ``Rejection("k1", "seq_sum", high=2.0)`` keeps
-    the sequences whose ratio ``Π_t ρ_t`` lies in [1/2, 2]. A sequence-level rule keeps or drops every token of
+    `low` / `high` of k1 are ratios, as verl's `"0.5_2.0"`: `Rejection("k1", "seq_sum", high=2.0)` keeps
+    the sequences whose ratio `Π_t ρ_t` lies in [1/2, 2]. A sequence-level rule keeps or drops every token of
     its sequence; seq_max exists for k2 and k3 only (k1 is signed: use a band on its sum or mean).
     """
 
@@ -89,7 +89,7 @@ class Rejection:
     high: float
     """Upper bound: k1's ratio U (the band [log L, log U] on k1), k2's or k3's bound on the statistic."""
     low: float | None = None
-    """k1's ratio L (None means ``1/high``); k2 and k3 take no lower bound."""
+    """k1's ratio L (None means `1/high`); k2 and k3 take no lower bound."""
 
     def __post_init__(self):
         if self.stat not in STATS:
@@ -105,7 +105,7 @@ class Rejection:
             raise ValueError(f"{self.stat} takes only an upper bound high > 0, got low={self.low}, high={self.high}")
 
     def keep(self, log_rho_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
-        """1 where this rule keeps a token, 0 where it drops it; ``log_rho_B_T`` is the clamped token log-ratio."""
+        """1 where this rule keeps a token, 0 where it drops it; `log_rho_B_T` is the clamped token log-ratio."""
         mask_B_T = mask_B_T.to(log_rho_B_T.dtype)
         k_B_T = _DIVERGENCES[self.stat](log_rho_B_T) * mask_B_T
         if self.level == "seq_sum":
@@ -126,35 +126,35 @@ class Rejection:
 class RolloutCorrection:
     """Importance weights or rejection for sampler/trainer mismatch (ALGORITHMS.md §6, §9).
 
-        w = exp(clamp(log ρ, ±20)) at ``level``
+        w = exp(clamp(log ρ, ±20)) at `level`
         mode tis       weights = min(w, high)                  truncated IS (Yao et al. 2025, "Your efficient
                                                                RL framework secretly brings you off-policy RL")
         mode mask      weights = w·1[low ≤ w ≤ high]           IcePop (Ring-1T report, 2025) / masked IS
         mode reject    mask = mask·1[low ≤ w ≤ high]           rejection: dropped tokens also leave the token
                        weights 1                               counts of the reduction (mask mode keeps them)
-        mode None      weights 1                               no IS: only the ``reject`` rules act
+        mode None      weights 1                               no IS: only the `reject` rules act
         normalize      weights /= their batch mean             verl's rollout_is_batch_normalize
-        reject=rules   mask = mask·Π_rules keep                ``Rejection`` rules, ANDed (verl's rollout_rs)
+        reject=rules   mask = mask·Π_rules keep                `Rejection` rules, ANDed (verl's rollout_rs)
 
-    Call it with ``(old_logp_B_T, sampler_logp_B_T, mask_B_T)``; it returns detached ``weights_B_T`` (pass
-    them to the loss as ``weights_B_T``), the mask to train on (the session also computes advantages on it),
-    and metrics: the mean weight; ``outside_frac``, the fraction of valid tokens truncated (tis) or zeroed /
-    dropped by the band (mask, reject); ``rejected_frac``, the fraction of valid tokens that leave the mask
-    (the "reject" band and the rules together). The mismatch itself is ``mismatch_metrics``. Named
-    corrections (``names("correction")``: "token_tis", "mis", ...) are accepted wherever one is.
+    Call it with `(old_logp_B_T, sampler_logp_B_T, mask_B_T)`; it returns detached `weights_B_T` (pass
+    them to the loss as `weights_B_T`), the mask to train on (the session also computes advantages on it),
+    and metrics: the mean weight; `outside_frac`, the fraction of valid tokens truncated (tis) or zeroed /
+    dropped by the band (mask, reject); `rejected_frac`, the fraction of valid tokens that leave the mask
+    (the "reject" band and the rules together). The mismatch itself is `mismatch_metrics`. Named
+    corrections (`names("correction")`: "token_tis", "mis", ...) are accepted wherever one is.
     """
 
     level: str = "token"
     """"token" (per-token ratio), "sequence" (product over the sequence) or "geometric" (its geometric mean)."""
     mode: str | None = "tis"
-    """"tis" truncates weights at ``high``; "mask" zeroes weights outside [low, high]; "reject" drops them;
-    None computes no weights (only the ``reject`` rules act)."""
+    """"tis" truncates weights at `high`; "mask" zeroes weights outside [low, high]; "reject" drops them;
+    None computes no weights (only the `reject` rules act)."""
     low: float | None = None
-    """Lower bound of the band for "mask" and "reject"; None means ``1/high``."""
+    """Lower bound of the band for "mask" and "reject"; None means `1/high`."""
     high: float = 2.0
     """TIS cap, and upper bound of the band."""
     reject: tuple[Rejection, ...] = ()
-    """Rejection rules (a ``Rejection`` or several): a token is trained on only if every rule keeps it."""
+    """Rejection rules (a `Rejection` or several): a token is trained on only if every rule keeps it."""
     normalize: bool = False
     """Divide the weights by their mean over the batch's valid tokens (at token level) or over its
     sequences' weights (sequence, geometric), after truncation or masking; rejected tokens count in the mean,
@@ -207,7 +207,7 @@ class RolloutCorrection:
         return weights_B_T, new_mask_B_T, metrics
 
     def _normalized(self, weights_B_T: torch.Tensor, valid_B_T: torch.Tensor) -> torch.Tensor:
-        """``weights / mean``: the masked token mean at token level, else the mean of the per-sequence weights
+        """`weights / mean`: the masked token mean at token level, else the mean of the per-sequence weights
         over the sequences with a valid token; unchanged when the mean is ~0 (verl 0.9.1)."""
         if self.level == "token":
             mean = masked_mean(weights_B_T, valid_B_T)

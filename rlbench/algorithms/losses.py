@@ -1,10 +1,10 @@
 """Policy losses (ALGORITHMS.md §2), registered by name.
 
-Every loss has the signature ``f(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
-**hparams) -> (loss_B_T, metrics)``: the unreduced per-token loss (``aggregate`` reduces it), multiplied by
-the detached rollout-correction weights when given, and 0-d detached metrics. ``r = exp(clamp(logp -
-old_logp, ±20))`` is the token ratio, ``sg`` the stop-gradient. All losses report ``approx_kl =
-masked_mean(old_logp - logp)``.
+Every loss has the signature `f(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
+**hparams) -> (loss_B_T, metrics)`: the unreduced per-token loss (`aggregate` reduces it), multiplied by
+the detached rollout-correction weights when given, and 0-d detached metrics. `r = exp(clamp(logp -
+old_logp, ±20))` is the token ratio, `sg` the stop-gradient. All losses report `approx_kl =
+masked_mean(old_logp - logp)`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _weighted(loss_B_T: torch.Tensor, weights_B_T: torch.Tensor | None) -> torch
 
 
 def _frac(condition_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
-    """Fraction of valid tokens where ``condition_B_T`` holds (detached)."""
+    """Fraction of valid tokens where `condition_B_T` holds (detached)."""
     return masked_mean(condition_B_T.float(), mask_B_T).detach()
 
 
@@ -29,14 +29,14 @@ def _approx_kl(logp_B_T: torch.Tensor, old_logp_B_T: torch.Tensor, mask_B_T: tor
 
 
 def _clipped_surrogate(ratio_B_T, advantages_B_T, clip_low: float, clip_high: float):
-    """``max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high))`` and where the clipped term won."""
+    """`max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high))` and where the clipped term won."""
     unclipped_loss_B_T = -advantages_B_T * ratio_B_T
     clipped_loss_B_T = -advantages_B_T * torch.clamp(ratio_B_T, 1 - clip_low, 1 + clip_high)
     return torch.maximum(unclipped_loss_B_T, clipped_loss_B_T), clipped_loss_B_T > unclipped_loss_B_T
 
 
 def _covariance(advantages_B_T, logp_B_T, mask_B_T) -> torch.Tensor:
-    """Per-token ``(A - mean A)(logp - mean logp)``, means over valid tokens, no gradient."""
+    """Per-token `(A - mean A)(logp - mean logp)`, means over valid tokens, no gradient."""
     logp_B_T = logp_B_T.detach()
     return (advantages_B_T - masked_mean(advantages_B_T, mask_B_T)) * (logp_B_T - masked_mean(logp_B_T, mask_B_T))
 
@@ -46,13 +46,13 @@ def ppo_clip(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0,
 ):
-    """PPO clipped surrogate, with clip-higher and dual-clip (verl's ``vanilla``).
+    """PPO clipped surrogate, with clip-higher and dual-clip (verl's `vanilla`).
 
         Lc = max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high));   L = min(Lc, -A·c) where A < 0, else Lc
 
     Differs from the plain policy gradient by removing the incentive to move r beyond the clip range;
-    dual-clip bounds the loss of a negative-advantage token whose ratio exploded (``clip_c`` must be > 1).
-    Metrics: ``clip_frac``, ``clip_frac_lower`` (dual-clip active), ``approx_kl``.
+    dual-clip bounds the loss of a negative-advantage token whose ratio exploded (`clip_c` must be > 1).
+    Metrics: `clip_frac`, `clip_frac_lower` (dual-clip active), `approx_kl`.
     Schulman et al., PPO, arXiv:1707.06347; dual-clip, arXiv:1912.09729; clip-higher, DAPO arXiv:2503.14476.
     """
     if clip_c <= 1.0:
@@ -101,7 +101,7 @@ def cispo(
 
         L = -sg(clip(r, 1-ε_low, 1+ε_high))·A·logp        (clip_low=None: no lower clip, as the paper)
 
-    Differs from PPO, whose clipping zeroes the gradient of clipped tokens. Metrics: ``clip_frac``.
+    Differs from PPO, whose clipping zeroes the gradient of clipped tokens. Metrics: `clip_frac`.
     MiniMax-M1, arXiv:2506.13585.
     """
     ratio_B_T = ratio(logp_B_T, old_logp_B_T)
@@ -120,15 +120,15 @@ def gmpo(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     clip_low: float = 0.4, clip_high: float = 0.4,
 ):
-    """GMPO: the geometric mean of token ratios, clipped sign-aware in log space (verl's ``geo_mean``).
+    """GMPO: the geometric mean of token ratios, clipped sign-aware in log space (verl's `geo_mean`).
 
         Δ* = sgn(A)·min(sgn(A)·Δ, sgn(A)·clamp(Δ, -ε_low, ε_high)),   Δ = logp - old_logp
         ρ_i = exp(Σ_t Δ*·m / Σ_t m),   Ā_i = masked mean of A;   loss = mean_i(-Ā_i·ρ_i)
 
     Differs from GRPO's arithmetic mean of token ratios, which outliers dominate. Written as the per-token
-    loss ``-Ā_i·ρ_i`` on every token of sequence i, which ``seq-mean-token-mean`` (declared) reduces to
-    ``mean_i(-Ā_i·ρ_i)``; token weights enter as their per-sequence geometric mean (as verl).
-    Metrics: ``clip_frac`` (A > 0), ``clip_frac_lower`` (A < 0). Geometric-Mean Policy Optimization, arXiv:2507.20673.
+    loss `-Ā_i·ρ_i` on every token of sequence i, which `seq-mean-token-mean` (declared) reduces to
+    `mean_i(-Ā_i·ρ_i)`; token weights enter as their per-sequence geometric mean (as verl).
+    Metrics: `clip_frac` (A > 0), `clip_frac_lower` (A < 0). Geometric-Mean Policy Optimization, arXiv:2507.20673.
     """
     delta_B_T = logp_B_T - old_logp_B_T
     sign_B_T = torch.sign(advantages_B_T)
@@ -189,9 +189,9 @@ def clip_cov(
 
         L = max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high)),   r = exp(logp - old_logp) unclamped, no dual-clip
         cov = (A - mean A)(logp - mean logp);  among valid unclipped tokens with cov_low < cov < cov_high,
-        max(⌊cov_ratio·N⌋, 1) drawn at random (``seed``) get L = 0
+        max(⌊cov_ratio·N⌋, 1) drawn at random (`seed`) get L = 0
 
-    Differs from PPO by the covariance rule. Metrics: ``clip_frac``, ``cov_frac`` (tokens zeroed).
+    Differs from PPO by the covariance rule. Metrics: `clip_frac`, `cov_frac` (tokens zeroed).
     Cui et al., The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617.
     """
     ratio_B_T = torch.exp(logp_B_T - old_logp_B_T)
@@ -222,7 +222,7 @@ def kl_cov(
         L = -A·r  (r unclamped);  the top max(⌊cov_ratio·N⌋, 1) valid tokens by
         cov = (A - mean A)(logp - mean logp) get  + penalty_coef·|logp - old_logp|
 
-    Differs from PPO by replacing the clip with a targeted penalty. Metrics: ``cov_frac``.
+    Differs from PPO by replacing the clip with a targeted penalty. Metrics: `cov_frac`.
     Cui et al., The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617.
     """
     log_ratio_B_T = logp_B_T - old_logp_B_T
@@ -239,7 +239,7 @@ def kl_cov(
 
 
 def _dppo(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, weights_B_T, trusted_B_T, clip_c):
-    """``L = -A·sg(min(r, C))·logp`` on trusted tokens, 0 elsewhere; shared by the DPPO variants."""
+    """`L = -A·sg(min(r, C))·logp` on trusted tokens, 0 elsewhere; shared by the DPPO variants."""
     ratio_B_T = ratio(logp_B_T, old_logp_B_T)
     trusted_B_T = trusted_B_T.detach()
     loss_B_T = -advantages_B_T * torch.clamp(ratio_B_T, max=clip_c).detach() * logp_B_T * trusted_B_T
@@ -261,7 +261,7 @@ def dppo_tv(
         trusted = p - p_old ≤ δ_high if A > 0 else p - p_old ≥ -δ_low;   L = -A·sg(min(r, C))·logp·trusted
 
     Differs from PPO by bounding the change of probability, not of the ratio (rare tokens may move).
-    Metrics: ``clip_frac`` (untrusted), ``clip_frac_lower`` (ratio truncated at C). DPPO, arXiv:2602.04879.
+    Metrics: `clip_frac` (untrusted), `clip_frac_lower` (ratio truncated at C). DPPO, arXiv:2602.04879.
     """
     prob_change_B_T = torch.exp(logp_B_T) - torch.exp(old_logp_B_T)
     trusted_B_T = torch.where(advantages_B_T > 0, prob_change_B_T <= threshold_high, prob_change_B_T >= -threshold_low)
@@ -279,7 +279,7 @@ def dppo_kl(
         trusted = bkl ≤ δ_high or p ≤ p_old if A > 0, else bkl ≤ δ_low or p ≥ p_old
         L = -A·sg(min(r, C))·logp·trusted
 
-    Differs from ``dppo_tv`` by the divergence. DPPO, arXiv:2602.04879.
+    Differs from `dppo_tv` by the divergence. DPPO, arXiv:2602.04879.
     """
     prob_B_T, old_prob_B_T = torch.exp(logp_B_T), torch.exp(old_logp_B_T)
     binary_kl_B_T = old_prob_B_T * (old_logp_B_T - logp_B_T) + (1 - old_prob_B_T) * torch.log(
@@ -299,8 +299,8 @@ def dro(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None, b
 
         L = -(logp·A - ½β(logp - old_logp)²)         β > 0, required (no default)
 
-    Differs from ``gpg`` (``L = -A·logp``) by the penalty, which pulls logp back towards old_logp in
-    proportion to how far it moved (gradient ``-A + β(logp - old_logp)``). verl 0.9.1's ``dro`` policy loss;
+    Differs from `gpg` (`L = -A·logp`) by the penalty, which pulls logp back towards old_logp in
+    proportion to how far it moved (gradient `-A + β(logp - old_logp)`). verl 0.9.1's `dro` policy loss;
     Richemond et al., Offline Regularised RL for LLM Alignment (Direct Reward Optimisation), arXiv:2405.19107.
     """
     if not beta > 0:

@@ -1,8 +1,8 @@
-"""The named presets of ALGORITHMS.md §8: ``rlbench.algorithms.get(name)``; and the named rollout corrections
-of §6 and §9 (``Algorithm(correction="mis")``, ``names("correction")``).
+"""The named presets of ALGORITHMS.md §8: `rlbench.algorithms.get(name)`; and the named rollout corrections
+of §6 and §9 (`Algorithm(correction="mis")`, `names("correction")`).
 
-A preset lists only what differs from the defaults of its parts (so ``get("grpo").replace(loss=my_loss)``
-does not hand ``my_loss`` hyperparameters it never declared). Where the page says "per paper", the choice
+A preset lists only what differs from the defaults of its parts (so `get("grpo").replace(loss=my_loss)`
+does not hand `my_loss` hyperparameters it never declared). Where the page says "per paper", the choice
 is the paper's setting as run in verl's examples; each is stated in the description.
 """
 

@@ -1,10 +1,10 @@
-"""Names → parts, and ``Algorithm``: the record that bundles the parts an RL step needs.
+"""Names → parts, and `Algorithm`: the record that bundles the parts an RL step needs.
 
 Four registries: advantage estimators, policy losses, algorithms (presets), rollout corrections. A name is
-taken once: registering it again with the same object is a no-op, with a different one a ``ValueError``. One
-exception keeps notebooks re-runnable: a function defined in ``__main__`` (a notebook cell or a script) replaces
-an earlier ``__main__`` function of the same ``__qualname__`` under the same name, and an algorithm or a
-correction registered from ``__main__`` replaces one registered from ``__main__`` under the same name.
+taken once: registering it again with the same object is a no-op, with a different one a `ValueError`. One
+exception keeps notebooks re-runnable: a function defined in `__main__` (a notebook cell or a script) replaces
+an earlier `__main__` function of the same `__qualname__` under the same name, and an algorithm or a
+correction registered from `__main__` replaces one registered from `__main__` under the same name.
 """
 
 from __future__ import annotations
@@ -28,21 +28,21 @@ ADVANTAGE_DATA = ("group_ids", "values_B_T", "baselines_B", "old_logp_B_T", "rew
                   "is_weights_B_T", "teacher_logp_B_T", *TURN_DATA)
 """Data an advantage estimator may declare as keyword arguments: the prompt group of each sample, the critic's
 values, the greedy baseline's score, the log-probs of the policy that sampled, the per-sample reward
-components ``[B, K]`` (a reward that returns a dict), ``Σ_v π_v²`` per token (OTB), the rollout correction's
+components `[B, K]` (a reward that returns a dict), `Σ_v π_v²` per token (OTB), the rollout correction's
 detached importance weights (None without correction), the teacher's log-probs of the sampled tokens (a session
-with ``teacher=``; on-policy distillation); and, from an agentic (multi-turn) task, the assistant-turn
-index of each token (``-1`` on padding), the environment's reward after each turn (``N`` = most turns in the
+with `teacher=`; on-policy distillation); and, from an agentic (multi-turn) task, the assistant-turn
+index of each token (`-1` on padding), the environment's reward after each turn (`N` = most turns in the
 batch, 0 past an episode's turns), the number of turns of each episode, and an id of the environment state
-seen at the start of each turn (``-1`` past the turns). It receives only those its signature names."""
+seen at the start of each turn (`-1` past the turns). It receives only those its signature names."""
 BYPASS_MODES = ("ppo_clip", "reinforce")
-"""``Algorithm.bypass``: verl 0.9.1's bypass-mode loss types (docs/algo/rollout_corr.md)."""
+"""`Algorithm.bypass`: verl 0.9.1's bypass-mode loss types (docs/algo/rollout_corr.md)."""
 LOSS_DATA = ("weights_B_T",)
 """Data a policy loss may declare: the detached rollout-correction weights."""
 DATA_KEYWORDS = frozenset(ADVANTAGE_DATA + LOSS_DATA)
 
 
 def declared(fn: Callable, data: Mapping) -> dict:
-    """The entries of ``data`` that ``fn``'s signature names (all of them if it takes ``**kwargs``)."""
+    """The entries of `data` that `fn`'s signature names (all of them if it takes `**kwargs`)."""
     params = inspect.signature(fn).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return dict(data)
@@ -97,10 +97,10 @@ def _lookup(kind: str, name: str):
 
 
 def register_advantage(name: str, fn: Callable | None = None):
-    """Register an advantage estimator; usable as ``@register_advantage("x")`` or ``register_advantage("x", fn)``.
+    """Register an advantage estimator; usable as `@register_advantage("x")` or `register_advantage("x", fn)`.
 
-    Contract: ``fn(rewards_B_T, mask_B_T, *, <the ADVANTAGE_DATA it reads>, **hparams) -> (advantages_B_T,
-    returns_B_T)``, both 0 on invalid tokens; it receives only the data keywords it declares.
+    Contract: `fn(rewards_B_T, mask_B_T, *, <the ADVANTAGE_DATA it reads>, **hparams) -> (advantages_B_T,
+    returns_B_T)`, both 0 on invalid tokens; it receives only the data keywords it declares.
     """
     if fn is None:
         return lambda f: register_advantage(name, f)
@@ -109,11 +109,11 @@ def register_advantage(name: str, fn: Callable | None = None):
 
 
 def register_loss(name: str, fn: Callable | None = None, *, reduction: str | None = None):
-    """Register a policy loss; usable as a decorator or a call, like ``register_advantage``.
+    """Register a policy loss; usable as a decorator or a call, like `register_advantage`.
 
-    Contract: ``fn(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None, **hparams) ->
-    (loss_B_T, metrics)``: the unreduced per-token loss (times ``weights_B_T`` when given) and 0-d detached
-    metrics. ``weights_B_T`` is optional: a loss without it cannot be used with rollout correction. ``reduction`` is the mode the paper fixes (an ``Algorithm`` using this loss then reduces with it),
+    Contract: `fn(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None, **hparams) ->
+    (loss_B_T, metrics)`: the unreduced per-token loss (times `weights_B_T` when given) and 0-d detached
+    metrics. `weights_B_T` is optional: a loss without it cannot be used with rollout correction. `reduction` is the mode the paper fixes (an `Algorithm` using this loss then reduces with it),
     or None to leave it to the algorithm.
     """
     if reduction is not None and reduction not in REDUCTIONS:
@@ -125,8 +125,8 @@ def register_loss(name: str, fn: Callable | None = None, *, reduction: str | Non
 
 
 def register_algorithm(algorithm_or_name: Algorithm | str, **fields) -> Algorithm:
-    """Register an ``Algorithm`` under its name: ``register_algorithm(alg)``, or build it from a name and fields,
-    ``register_algorithm("mine", advantage="grpo", loss="my_loss")``. Returns the algorithm."""
+    """Register an `Algorithm` under its name: `register_algorithm(alg)`, or build it from a name and fields,
+    `register_algorithm("mine", advantage="grpo", loss="my_loss")`. Returns the algorithm."""
     if isinstance(algorithm_or_name, Algorithm):
         algorithm = algorithm_or_name.replace(**fields) if fields else algorithm_or_name
     else:
@@ -136,8 +136,8 @@ def register_algorithm(algorithm_or_name: Algorithm | str, **fields) -> Algorith
 
 
 def register_correction(name: str, correction: RolloutCorrection, *, description: str = "") -> RolloutCorrection:
-    """Register a ``RolloutCorrection`` under a name, usable as ``Algorithm(correction=name)``; ``description``
-    gives its formula and source (``describe(name)`` shows it). Returns the correction."""
+    """Register a `RolloutCorrection` under a name, usable as `Algorithm(correction=name)`; `description`
+    gives its formula and source (`describe(name)` shows it). Returns the correction."""
     if not isinstance(correction, RolloutCorrection):
         raise TypeError(f"register_correction takes a RolloutCorrection, got {type(correction).__name__}")
     _register("correction", name, _Entry(correction, sys._getframe(1).f_globals.get("__name__", ""),
@@ -146,7 +146,7 @@ def register_correction(name: str, correction: RolloutCorrection, *, description
 
 
 def get_correction(name_or_correction: str | RolloutCorrection | None) -> RolloutCorrection | None:
-    """The rollout correction registered under a name; a ``RolloutCorrection`` or None passes through."""
+    """The rollout correction registered under a name; a `RolloutCorrection` or None passes through."""
     if name_or_correction is None or isinstance(name_or_correction, RolloutCorrection):
         return name_or_correction
     if not isinstance(name_or_correction, str):
@@ -156,12 +156,12 @@ def get_correction(name_or_correction: str | RolloutCorrection | None) -> Rollou
 
 
 def advantage_fn(name: str | Callable) -> Callable:
-    """The advantage estimator registered under ``name`` (a callable passes through)."""
+    """The advantage estimator registered under `name` (a callable passes through)."""
     return name if callable(name) else _lookup("advantage", name)
 
 
 def loss_fn(name: str | Callable) -> Callable:
-    """The policy loss registered under ``name`` (a callable passes through)."""
+    """The policy loss registered under `name` (a callable passes through)."""
     return name if callable(name) else _lookup("loss", name)
 
 
@@ -174,21 +174,21 @@ def loss_reduction(name_or_fn: str | Callable) -> str | None:
 
 
 def names(kind: str = "algorithm") -> list[str]:
-    """Sorted registered names of ``kind``: "algorithm", "advantage", "loss" or "correction"."""
+    """Sorted registered names of `kind`: "algorithm", "advantage", "loss" or "correction"."""
     if kind not in _TABLES:
         raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(_TABLES)}")
     return sorted(_TABLES[kind])
 
 
 def get(name_or_algorithm: str | Algorithm) -> Algorithm:
-    """The algorithm registered under a name; an ``Algorithm`` passes through unchanged."""
+    """The algorithm registered under a name; an `Algorithm` passes through unchanged."""
     if isinstance(name_or_algorithm, Algorithm):
         return name_or_algorithm
     return _lookup("algorithm", name_or_algorithm)
 
 
 def hyperparameters(fn: Callable) -> dict[str, object]:
-    """Keyword hyperparameters of an advantage or loss and their defaults (``inspect.Parameter.empty`` if none)."""
+    """Keyword hyperparameters of an advantage or loss and their defaults (`inspect.Parameter.empty` if none)."""
     params = inspect.signature(fn).parameters.values()
     return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name not in DATA_KEYWORDS}
 
@@ -233,7 +233,7 @@ def describe(name: str | Callable | Algorithm | RolloutCorrection) -> str:
 
 
 def _check_kwargs(fn: Callable, kwargs: Mapping, what: str) -> None:
-    """``kwargs`` name only hyperparameters ``fn`` takes, and every hyperparameter without a default (DRO's β)."""
+    """`kwargs` name only hyperparameters `fn` takes, and every hyperparameter without a default (DRO's β)."""
     missing = [name for name, default in hyperparameters(fn).items()
                if default is inspect.Parameter.empty and name not in kwargs]
     if missing:
@@ -259,8 +259,8 @@ class Algorithm:
     """An RL algorithm as data: which advantage, which loss, how to reduce it, and what the step needs.
 
     The session asks these fields, never the name, so a user-built algorithm works like a preset.
-    ``advantage`` and ``loss`` may be given as registered names; construction resolves them to functions.
-    A loss that fixes its reduction (``register_loss(..., reduction=...)``) overrides ``reduction``.
+    `advantage` and `loss` may be given as registered names; construction resolves them to functions.
+    A loss that fixes its reduction (`register_loss(..., reduction=...)`) overrides `reduction`.
     """
 
     name: str
@@ -270,7 +270,7 @@ class Algorithm:
     loss: Callable
     """Per-token policy loss (function, or a registered name resolved at construction)."""
     reduction: str = "token-mean"
-    """How ``aggregate`` reduces the per-token loss; replaced by the loss's own mode if it fixes one."""
+    """How `aggregate` reduces the per-token loss; replaced by the loss's own mode if it fixes one."""
     advantage_kwargs: Mapping = field(default_factory=dict)
     """Hyperparameters passed to the advantage (norm_by_std, gamma, lam...)."""
     loss_kwargs: Mapping = field(default_factory=dict)
@@ -278,23 +278,23 @@ class Algorithm:
     kl_coef: float = 0.0
     """Coefficient of the KL to the reference in the loss (GRPO's way)."""
     kl_estimator: str = "k3"
-    """Estimator of that KL (see ``kl``)."""
+    """Estimator of that KL (see `kl`)."""
     reward_kl_coef: float = 0.0
     """β of the KL penalty in the reward (PPO's way); the initial β when adaptive."""
     reward_kl_estimator: str = "k1"
-    """Estimator of the reward KL (verl's default ``kl`` = k1)."""
+    """Estimator of the reward KL (verl's default `kl` = k1)."""
     reward_kl_target: float | None = None
     """Target KL of the adaptive β; None keeps β fixed."""
     reward_kl_horizon: float = 10000
     """Horizon (in responses) of the adaptive β."""
     entropy_coef: float = 0.0
-    """Entropy bonus coefficient: ``loss -= entropy_coef·agg(H)``."""
+    """Entropy bonus coefficient: `loss -= entropy_coef·agg(H)`."""
     norm_length: int | None = None
-    """``T_norm`` of seq-mean-token-sum-norm; None = the max response length."""
+    """`T_norm` of seq-mean-token-sum-norm; None = the max response length."""
     needs_critic: bool = False
-    """Train a value model and pass its values to the advantage (``values_B_T``)."""
+    """Train a value model and pass its values to the advantage (`values_B_T`)."""
     needs_greedy_baseline: bool = False
-    """Score a greedy rollout per prompt and pass it to the advantage (``baselines_B``)."""
+    """Score a greedy rollout per prompt and pass it to the advantage (`baselines_B`)."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose scores are all equal, resample to refill the batch."""
     max_filter_rounds: int = 4
@@ -304,28 +304,28 @@ class Algorithm:
     overlong_factor: float = 1.0
     """Maximum overlong penalty."""
     correction: RolloutCorrection | str | None = None
-    """Rollout correction for sampler/trainer mismatch: a ``RolloutCorrection``, or a registered name
-    (``names("correction")``: "token_tis", "seq_tis", "icepop", "mis", "geo_reject") resolved at
+    """Rollout correction for sampler/trainer mismatch: a `RolloutCorrection`, or a registered name
+    (`names("correction")`: "token_tis", "seq_tis", "icepop", "mis", "geo_reject") resolved at
     construction; None = off."""
     bypass: str | None = None
-    """verl 0.9.1's bypass mode (docs/algo/rollout_corr.md), one of ``BYPASS_MODES``; None = off. The sampler's
-    log-probs serve as ``old_logp`` (the session runs no old-policy forward, unless the advantage reads ``Σ_v π_v²``:
-    OTB) and ``correction`` runs inside ``actor_loss``, per micro-batch, on ``log ρ = sg(logp) - sampler_logp``.
+    """verl 0.9.1's bypass mode (docs/algo/rollout_corr.md), one of `BYPASS_MODES`; None = off. The sampler's
+    log-probs serve as `old_logp` (the session runs no old-policy forward, unless the advantage reads `Σ_v π_v²`:
+    OTB) and `correction` runs inside `actor_loss`, per micro-batch, on `log ρ = sg(logp) - sampler_logp`.
     "ppo_clip": the loss on the tokens the correction's rejection keeps, without IS weights (its ratio
-    ``π_θ/π_sampler`` already is one). "reinforce": ``L = -A·logp·w``, ``w`` the correction's truncated IS weights
-    (the ``gpg`` loss, which this mode requires)."""
+    `π_θ/π_sampler` already is one). "reinforce": `L = -A·logp·w`, `w` the correction's truncated IS weights
+    (the `gpg` loss, which this mode requires)."""
     distill_coef: float = 0.0
-    """On-policy distillation mixed with RL: ``A_t += distill_coef·(-k(logπ_old_t, logπ_teacher_t))`` after the
-    estimator, the per-token reverse KL to the teacher (``distill_estimator``) as an extra reward on each token
-    (``rlbench/algorithms/distill.py``). Needs a session with ``teacher=``. 0 = off."""
+    """On-policy distillation mixed with RL: `A_t += distill_coef·(-k(logπ_old_t, logπ_teacher_t))` after the
+    estimator, the per-token reverse KL to the teacher (`distill_estimator`) as an extra reward on each token
+    (`rlbench/algorithms/distill.py`). Needs a session with `teacher=`. 0 = off."""
     distill_estimator: str = "k1"
     """Estimator of that per-token reverse KL: "k1" or "k3"."""
     forward_kl_coef: float = 0.0
-    """Forward KL to the teacher's top-``teacher_topk`` distribution as a loss term, ``+ forward_kl_coef·agg(D)``
-    (``forward_kl_topk``; GKD's supervised term, verl's ``forward_kl_topk``). Needs ``teacher=``. 0 = off."""
+    """Forward KL to the teacher's top-`teacher_topk` distribution as a loss term, `+ forward_kl_coef·agg(D)`
+    (`forward_kl_topk`; GKD's supervised term, verl's `forward_kl_topk`). Needs `teacher=`. 0 = off."""
     teacher_topk: int = 64
-    """How many of the teacher's most likely tokens per position ``forward_kl_coef`` compares (the teacher ships
-    ``[B, T, k]`` log-probs and ids; k at least the vocabulary size: the whole distribution)."""
+    """How many of the teacher's most likely tokens per position `forward_kl_coef` compares (the teacher ships
+    `[B, T, k]` log-probs and ids; k at least the vocabulary size: the whole distribution)."""
     description: str = ""
     """One line for humans."""
 
@@ -370,14 +370,14 @@ class Algorithm:
 
     @property
     def needs_sum_pi2(self) -> bool:
-        """Whether the advantage reads ``Σ_v π_v²`` per token (OTB), by name in its signature: the old-policy
-        forward then also returns it (the batch's ``sum_pi2`` column)."""
+        """Whether the advantage reads `Σ_v π_v²` per token (OTB), by name in its signature: the old-policy
+        forward then also returns it (the batch's `sum_pi2` column)."""
         return "sum_pi2_B_T" in inspect.signature(self.advantage).parameters
 
     @property
     def needs_teacher(self) -> bool:
         """Whether the step needs a teacher's log-probs (on-policy distillation): the advantage reads
-        ``teacher_logp_B_T`` (by name in its signature), or ``distill_coef`` or ``forward_kl_coef`` is on."""
+        `teacher_logp_B_T` (by name in its signature), or `distill_coef` or `forward_kl_coef` is on."""
         return ("teacher_logp_B_T" in inspect.signature(self.advantage).parameters or self.distill_coef > 0
                 or self.forward_kl_coef > 0)
 
@@ -387,7 +387,7 @@ class Algorithm:
         return self.kl_coef > 0 or self.reward_kl_coef > 0
 
     def replace(self, **changes) -> Algorithm:
-        """A copy with some fields changed, e.g. ``get("grpo").replace(name="mine", loss=my_loss)``."""
+        """A copy with some fields changed, e.g. `get("grpo").replace(name="mine", loss=my_loss)`."""
         return dataclasses.replace(self, **changes)
 
     def reward_kl_controller(self) -> AdaptiveKL:
@@ -396,9 +396,9 @@ class Algorithm:
 
     def estimate(self, rewards_B_T: torch.Tensor, mask_B_T: torch.Tensor,
                  **data) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(advantages_B_T, returns_B_T)`` of this algorithm's estimator, given the token rewards and whatever
-        of ``ADVANTAGE_DATA`` the caller has; the estimator receives only the keywords it declares. With
-        ``distill_coef``, the advantages also get the per-token reverse KL to the teacher (see there)."""
+        """`(advantages_B_T, returns_B_T)` of this algorithm's estimator, given the token rewards and whatever
+        of `ADVANTAGE_DATA` the caller has; the estimator receives only the keywords it declares. With
+        `distill_coef`, the advantages also get the per-token reverse KL to the teacher (see there)."""
         unknown = sorted(set(data) - set(ADVANTAGE_DATA))
         if unknown:
             raise TypeError(f"unknown advantage data {unknown}; valid: {', '.join(ADVANTAGE_DATA)}")
@@ -428,11 +428,11 @@ class Algorithm:
         num_seqs=None,
         norm_length: int | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``agg(L) - entropy_coef·agg(H) + kl_coef·agg(kl(logp, ref_logp))`` (ALGORITHMS.md §2) and metrics,
-        ``+ forward_kl_coef·agg(D)`` with on-policy distillation's forward KL (``topk_logp_B_T_K``: the student's
-        log-probs at the teacher's top-k ids, ``teacher_topk_logp_B_T_K``: the teacher's; see ``forward_kl_topk``).
+        """`agg(L) - entropy_coef·agg(H) + kl_coef·agg(kl(logp, ref_logp))` (ALGORITHMS.md §2) and metrics,
+        `+ forward_kl_coef·agg(D)` with on-policy distillation's forward KL (`topk_logp_B_T_K`: the student's
+        log-probs at the teacher's top-k ids, `teacher_topk_logp_B_T_K`: the teacher's; see `forward_kl_topk`).
 
-        Every term is reduced with this algorithm's mode and the given global counts (see ``aggregate``).
+        Every term is reduced with this algorithm's mode and the given global counts (see `aggregate`).
         """
         length = self.norm_length if norm_length is None else norm_length
         counts = dict(mode=self.reduction, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=length)
@@ -471,8 +471,8 @@ class Algorithm:
         return loss, metrics
 
     def _bypass_correction(self, logp_B_T, sampler_logp_B_T, mask_B_T):
-        """Bypass mode: ``(weights_B_T or None, the mask to train on, metrics)`` from ``log ρ = sg(logp) -
-        sampler_logp``. "ppo_clip" keeps only the rejection mask; "reinforce" also the IS weights (1 without a
+        """Bypass mode: `(weights_B_T or None, the mask to train on, metrics)` from `log ρ = sg(logp) -
+        sampler_logp`. "ppo_clip" keeps only the rejection mask; "reinforce" also the IS weights (1 without a
         correction). Rejected tokens leave this micro-batch's mask; the global counts of the reduction are the
         caller's (they keep the loss independent of the micro-batch split)."""
         if self.correction is None:

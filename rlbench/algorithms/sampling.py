@@ -11,7 +11,7 @@ from .core import group_index
 
 
 def filter_groups(scores_B: torch.Tensor, group_ids_B) -> torch.Tensor:
-    """Keep mask ``[B]`` of the samples whose prompt group carries signal: scores not all equal.
+    """Keep mask `[B]` of the samples whose prompt group carries signal: scores not all equal.
 
     A group whose scores all equal has zero advantage under a group baseline, so DAPO drops it and samples
     more prompts. A group of one is kept (as verl: its GRPO advantage is its score, not 0).
@@ -28,8 +28,8 @@ def overlong_penalty(lengths_B: torch.Tensor, max_len: int, buffer_len: float, f
 
         penalty = min(-(len - (L_max - L_buf)) / L_buf · factor, 0)
 
-    0 up to ``L_max - L_buf`` tokens, then linear down to ``-factor`` at ``L_max``. ``buffer_len`` is in
-    tokens, or a fraction of ``max_len`` when below 1 (DAPO: 4096 of 20480 = 0.2).
+    0 up to `L_max - L_buf` tokens, then linear down to `-factor` at `L_max`. `buffer_len` is in
+    tokens, or a fraction of `max_len` when below 1 (DAPO: 4096 of 20480 = 0.2).
     """
     buffer = buffer_len * max_len if buffer_len < 1 else buffer_len
     if not 0 < buffer <= max_len:

@@ -1,8 +1,8 @@
 """Turn-aware advantage estimators for agentic episodes (multi-turn, tool calls), registered by name.
 
-An episode is one row. ``mask_B_T`` is its loss mask: 1 on the tokens the policy sampled, 0 on tool output,
+An episode is one row. `mask_B_T` is its loss mask: 1 on the tokens the policy sampled, 0 on tool output,
 template tokens and padding, so it has holes. The per-turn data come from the agentic task
-(``registry.ADVANTAGE_DATA``):
+(`registry.ADVANTAGE_DATA`):
 
     turn_B_T          [B, T] long    assistant-turn index of each token (a tool output carries the index of
                                      the turn whose call produced it), -1 on padding
@@ -10,8 +10,8 @@ template tokens and padding, so it has holes. The per-turn data come from the ag
     turns_B           [B]    long    number of assistant turns of each episode
     turn_state_B_N    [B, N] long    id of the environment state seen at the start of each turn, -1 past them
 
-Each estimator computes one advantage per (episode, turn), ``A_B_N``, and gives it to the sampled tokens of
-that turn; holes and padding get 0. ``r_{i,k}``, the reward of turn k, is the environment's reward for the
+Each estimator computes one advantage per (episode, turn), `A_B_N`, and gives it to the sampled tokens of
+that turn; holes and padding get 0. `r_{i,k}`, the reward of turn k, is the environment's reward for the
 turn plus the token rewards of the turn's sampled tokens: the outcome score sits on the last sampled token,
 so it belongs to the last turn, and a KL-in-reward penalty to the turn that paid it. docs/turn_credit.md
 compares the three estimators and says why the natural per-turn baseline is biased.
@@ -29,7 +29,7 @@ NORMS = ("std", "none")
 
 
 def _turns_valid(name: str, mask_B_T, turn_B_T, turn_rewards_B_N, turns_B, **more) -> torch.Tensor:
-    """Check the per-turn data; return ``valid_B_N``, True where episode b has a turn n (n < turns_B[b])."""
+    """Check the per-turn data; return `valid_B_N`, True where episode b has a turn n (n < turns_B[b])."""
     data = dict(turn_B_T=turn_B_T, turn_rewards_B_N=turn_rewards_B_N, turns_B=turns_B, **more)
     missing = [key for key, value in data.items() if value is None]
     if missing:
@@ -46,14 +46,14 @@ def _turns_valid(name: str, mask_B_T, turn_B_T, turn_rewards_B_N, turns_B, **mor
 
 
 def _turn_rewards(rewards_B_T, mask_B_T, turn_B_T, turn_rewards_B_N) -> torch.Tensor:
-    """``r_{i,k}``: the environment's reward for turn k plus the token rewards of turn k's sampled tokens."""
+    """`r_{i,k}`: the environment's reward for turn k plus the token rewards of turn k's sampled tokens."""
     token_B_T = rewards_B_T * mask_B_T.to(rewards_B_T.dtype)
     index_B_T = turn_B_T.clamp(0, turn_rewards_B_N.shape[1] - 1)  # padding and holes add 0
     return turn_rewards_B_N.to(rewards_B_T.dtype).scatter_add(1, index_B_T, token_B_T)
 
 
 def _returns_over_turns(r_B_N: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_{i,k} = r_{i,k} + γ G_{i,k+1}`` (turn rewards are 0 past an episode's turns)."""
+    """`G_{i,k} = r_{i,k} + γ G_{i,k+1}` (turn rewards are 0 past an episode's turns)."""
     returns_B_N = torch.zeros_like(r_B_N)
     running_B = torch.zeros_like(r_B_N[:, 0])
     for k in reversed(range(r_B_N.shape[1])):
@@ -63,7 +63,7 @@ def _returns_over_turns(r_B_N: torch.Tensor, gamma: float) -> torch.Tensor:
 
 
 def _relative(x_B_N, key_B_N, group_ids, valid_B_N, baseline: str, epsilon: float = 1e-6) -> torch.Tensor:
-    """Each existing (episode, turn) entry of ``x`` against the entries of its prompt group with the same key
+    """Each existing (episode, turn) entry of `x` against the entries of its prompt group with the same key
     (a turn index, or an anchor state); an entry alone in its set gets 0, and so does a missing turn.
 
         "std"   (x - mean) / (std + ε)     "mean"   x - mean     "loo"   x - mean of the others = n/(n-1)·(x - mean)
@@ -108,13 +108,13 @@ def mt_grpo(
         Â^O_i     = (s_i - mean_g s) / (std_g s + ε)                 GRPO over the outcome scores s_i
         Â^T_{i,k} = (R_{i,k} - mean R_{·,k}) / (std R_{·,k} + ε)     over the episodes of group g that have a turn k
 
-    ``R_{i,k}`` is the environment's reward for turn k (``turn_rewards_B_N``), λ = ``turn_coef``; without std
-    (``norm_by_std=False``) both terms are mean-centred only. A turn that only one episode of its group reached
+    `R_{i,k}` is the environment's reward for turn k (`turn_rewards_B_N`), λ = `turn_coef`; without std
+    (`norm_by_std=False`) both terms are mean-centred only. A turn that only one episode of its group reached
     gets Â^T = 0; a group of one gets GRPO's convention for Â^O. Differs from GRPO by the turn term, which
     credits each turn for its own reward. The paper has two turns (tool call, answer): the tool turn gets
     Â^O + λ·Â^T, the answer turn Â^O, its reward being the outcome (λ on the turn term as in the authors' code,
-    ``advantage_est="aae"``); here K turns, each turn's reward normalised at its turn index. With variable turn
-    counts this per-turn-index baseline is biased (verl RFC #7244; ``turn_rloo`` is the unbiased one).
+    `advantage_est="aae"`); here K turns, each turn's reward normalised at its turn index. With variable turn
+    counts this per-turn-index baseline is biased (verl RFC #7244; `turn_rloo` is the unbiased one).
     Zeng et al., Reinforcing Multi-Turn Reasoning in LLM Agents via Turn-Level Credit Assignment, arXiv:2505.11821.
     """
     valid_B_N = _turns_valid("mt_grpo", mask_B_T, turn_B_T, turn_rewards_B_N, turns_B)
@@ -139,10 +139,10 @@ def gigpo(
         G_{i,k}   = Σ_{k'≥k} γ^{k'-k} r_{i,k'}                       the step's discounted return
         F         = std + ε (norm="std", unbiased std) or 1 (norm="none")
 
-    ``r_{i,k}`` is the turn's reward (environment reward plus its token rewards, the outcome on the last turn),
-    ``s_{i,k}`` = ``turn_state_B_N``. Anchor groups form within a prompt group, across turn indices and
+    `r_{i,k}` is the turn's reward (environment reward plus its token rewards, the outcome on the last turn),
+    `s_{i,k}` = `turn_state_B_N`. Anchor groups form within a prompt group, across turn indices and
     episodes (a state revisited in one episode joins the same group); a step alone in its anchor group gets
-    A^S = 0, an episode alone in its prompt group GRPO's convention. Paper settings: ω = ``step_coef`` = 1,
+    A^S = 0, an episode alone in its prompt group GRPO's convention. Paper settings: ω = `step_coef` = 1,
     γ = 0.95. Differs from GRPO by the step-level term, which compares the actions taken from one state.
     Feng et al., Group-in-Group Policy Optimization for LLM Agent Training, arXiv:2505.10978.
     """
@@ -164,14 +164,14 @@ def turn_rloo(rewards_B_T, mask_B_T, *, group_ids, turn_B_T=None, turn_rewards_B
         A_{i,k} = G_{i,k} - mean_{j≠i in g, K_j>k} G_{j,k},     G_{i,k} = Σ_{k'≥k} r_{i,k'}   (outcome included)
         A_{i,k} = 0 when no other episode of the group has a turn k
 
-    ``r_{i,k}`` is the turn's reward (environment reward plus its token rewards, the outcome on the last turn),
-    ``K_j`` = ``turns_B``. The baseline is built from other episodes only, so it depends neither on episode i's
+    `r_{i,k}` is the turn's reward (environment reward plus its token rewards, the outcome on the last turn),
+    `K_j` = `turns_B`. The baseline is built from other episodes only, so it depends neither on episode i's
     actions nor on when it stops: the policy-gradient estimate is unbiased. A group mean that includes the
     episode's own return, a division by the group std, or per-turn-index normalised rewards summed over the
     remaining turns (one baseline term per turn the episode itself takes: a hidden -E[r_intermediate] on every
     "take another turn") are not (verl RFC #7244, github.com/verl-project/verl/issues/7244;
     docs/turn_credit.md). Differs from RLOO (arXiv:2402.14740) by a leave-one-out baseline per turn, on
-    returns-to-go, over the episodes that reached the turn. Returns ``G``.
+    returns-to-go, over the episodes that reached the turn. Returns `G`.
     """
     valid_B_N = _turns_valid("turn_rloo", mask_B_T, turn_B_T, turn_rewards_B_N, turns_B)
     r_B_N = _turn_rewards(rewards_B_T, mask_B_T, turn_B_T, turn_rewards_B_N) * valid_B_N

@@ -23,10 +23,11 @@ from rlbench.models.arithmetic_data import arithmetic_split
 from rlbench.models.checks import (check_fits, check_same_tokenizer, check_tokenizer_files, check_weights, dropout_fields,
                                    prompt_room)
 from rlbench.models.tiny_arith import build_tiny_model
-from rlbench.models.tokenizer import build_tokenizer
+from rlbench.models.tokenizer import build_tokenizer, readable_decode
 
 __all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "check_fits", "check_same_tokenizer", "dropout_fields",
-           "prompt_room", "from_pretrained", "load", "load_tokenizer", "names", "quiet_transformers", "register", "resolve"]
+           "prompt_room", "from_pretrained", "load", "load_tokenizer", "names", "quiet_transformers", "readable_decode", "register",
+           "resolve"]
 
 _BUILTINS: dict[str, Callable[[int], Path]] = {tiny_arith.NAME: tiny_arith.ensure_built,
                                                 tiny_arith.SMALL_NAME: tiny_arith.ensure_built_small,

@@ -57,7 +57,7 @@ class Critic:
                                            num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
             backward(loss, self.world_size)
             share = float(mask_B_T.sum()) / max(num_tokens, 1)
-            sums["vf_loss"] = sums.get("vf_loss", 0.0) + float(metrics["vf_loss"])
-            sums["vf_clip_frac"] = sums.get("vf_clip_frac", 0.0) + share * float(metrics["vf_clip_frac"])
+            sums["vf_loss"] = sums.get("vf_loss", 0.0) + alg.to_float(metrics["vf_loss"])
+            sums["vf_clip_frac"] = sums.get("vf_clip_frac", 0.0) + share * alg.to_float(metrics["vf_clip_frac"])
         step = self.optimizer.step()
         return sums | {"vf_grad_norm": step["grad_norm"]}

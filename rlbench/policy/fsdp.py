@@ -100,10 +100,10 @@ class Policy:
             for name, value in terms.items():
                 if name in MAX_TERMS or name in MIN_TERMS:
                     pick = max if name in MAX_TERMS else min
-                    sums[name] = pick(sums.get(name, float(value)), float(value))
+                    sums[name] = pick(sums.get(name, alg.to_float(value)), alg.to_float(value))
                 else:
                     weight = 1.0 if name in SUMMED_TERMS else share
-                    sums[name] = sums.get(name, 0.0) + weight * float(value.detach())
+                    sums[name] = sums.get(name, 0.0) + weight * alg.to_float(value.detach())
         return sums
 
     def optim_step(self) -> dict[str, float]:

@@ -14,6 +14,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from rlbench.algorithms import to_float
+
 
 @dataclass(frozen=True)
 class OptimSettings:
@@ -60,7 +62,7 @@ class Optimizer:
         the step and leaves weights and optimizer state as they were (recorded in the returned metrics)."""
         max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        grad_norm = to_float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         finite_grad = math.isfinite(grad_norm)
         if finite_grad and finite_loss:
             self.adamw.step()

@@ -15,6 +15,7 @@ from rlbench.algorithms import (
     masked_mean,
     masked_var,
     masked_whiten,
+    to_float,
     value_loss,
 )
 from rlbench.algorithms.losses import ppo_clip
@@ -27,6 +28,15 @@ def test_masked_mean():
     # valid: 1, 2, 4 -> 7/3 ; per row: (1+2)/2 = 1.5 and 4/1 = 4
     assert masked_mean(X_B_T, M_B_T).item() == pytest.approx(7 / 3)
     torch.testing.assert_close(masked_mean(X_B_T, M_B_T, dim=-1), torch.tensor([1.5, 4.0]))
+
+
+def test_to_float_writes_a_float32_as_its_shortest_decimal():
+    # float32's value nearest 0.36 is 0.36000001430511475 (float(x) of the tensor); "0.36" rounds back to it
+    assert to_float(torch.tensor(0.36)) == 0.36 and float(torch.tensor(0.36)) == 0.36000001430511475
+    assert to_float(torch.tensor(1 / 3)) == 0.33333334  # float32: 0.3333333432674408, 8 digits round back
+    assert to_float(torch.tensor(0.36, dtype=torch.bfloat16)) == 0.359375  # bfloat16's value, exact in float32
+    assert to_float(torch.tensor(1 / 3, dtype=torch.float64)) == 1 / 3  # float64: as it is
+    assert to_float(torch.tensor(3)) == 3.0 and math.isnan(to_float(torch.tensor(math.nan)))
 
 
 def test_masked_var_is_unbiased():

@@ -202,6 +202,12 @@ def test_describe_shows_formula_paper_and_hyperparameters():
     assert describe(advantages.gpg).startswith("gpg (advantage)")
 
 
+@pytest.mark.parametrize("kind", ["algorithm", "advantage", "loss", "correction"])
+def test_describe_reads_as_plain_text(kind):
+    """A notebook prints describe() as it is: code is marked `x`, never reStructuredText's ``x``."""
+    assert not [name for name in names(kind) if "``" in describe(name)]
+
+
 @pytest.mark.parametrize("kind", ["advantage", "loss"])
 def test_every_registered_function_documents_formula_and_paper(kind):
     lookup = advantage_fn if kind == "advantage" else loss_fn
