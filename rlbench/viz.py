@@ -2,7 +2,7 @@
 
     rl.viz.plot(session)                          # or a metrics DataFrame, or a run's metrics.jsonl / folder
     rl.viz.plot({"grpo": s1, "dapo": s2})         # several runs: one line each, in the same panels
-    rl.viz.rollout_table(batch)                   # one row per sample: prompt, completion, reward, advantage
+    rl.viz.rollout_table(batch, s.tokenizer)      # one row per sample: prompt, completion, reward, advantage
     rl.viz.plot_sample(batch, 0, s.tokenizer)     # one sample's per-token log-probs and advantages
     rl.viz.Dashboard(session)                     # live: progress, curves, the last rollouts, a Stop button
     rl.viz.Dashboard("runs/my-run")               # frozen: the same curves for a finished run
@@ -29,6 +29,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from rlbench.models import readable_decode
 from rlbench.sinks import read_jsonl
 
 TIMINGS = ("time_rollout", "time_score", "time_advantage", "time_update", "time_sync")
@@ -173,11 +174,17 @@ def _legend_entries(fig: Figure):
     return list(entries.values()), list(entries)
 
 
-def rollout_table(batch) -> pd.DataFrame:
+def rollout_table(batch, tokenizer=None) -> pd.DataFrame:
     """One row per sample of a Batch: group, prompt, completion, reward, advantage (the mean over the
-    response's tokens), response length; only the columns the batch has reached so far."""
-    table = {"group": batch["group_ids"].tolist(), "prompt": list(batch["prompt"]),
-             "completion": list(batch["completion"])}
+    response's tokens), response length; only the columns the batch has reached so far. With the `tokenizer`,
+    a completion holding a byte that forms no character shows it as `<0xNN>` (`rl.models.readable_decode`)."""
+    completions = list(batch["completion"])
+    if tokenizer is not None:
+        for row, text in enumerate(completions):
+            if "\ufffd" in text:
+                completions[row] = readable_decode(tokenizer, batch["response_ids"][row][
+                    batch["response_mask"][row].bool()].tolist())
+    table = {"group": batch["group_ids"].tolist(), "prompt": list(batch["prompt"]), "completion": completions}
     if "reward" in batch:
         table["reward"] = batch["reward"].tolist()
     mask_B_T = batch["response_mask"].float()
@@ -194,7 +201,7 @@ def plot_sample(batch, row: int = 0, tokenizer=None) -> Figure:
 
     valid_T = batch["response_mask"][row].bool()
     ids = batch["response_ids"][row][valid_T].tolist()
-    tokens = tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else [str(i) for i in ids]
+    tokens = [readable_decode(tokenizer, [i]) for i in ids] if tokenizer is not None else [str(i) for i in ids]
     x = range(len(ids))
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(max(4.0, 0.45 * len(ids) + 2), 4),
                                       layout="constrained")
@@ -444,7 +451,7 @@ class Dashboard:
     def _keep_rollouts(self, step: int, batch) -> None:
         if batch is None:
             return
-        self._rollouts.append((step, rollout_table(batch)))
+        self._rollouts.append((step, rollout_table(batch, self.session.tokenizer)))
         chosen = self.step_picker.value
         steps = [s for s, _ in reversed(self._rollouts)]
         self.step_picker.options = [("latest", LATEST)] + [(f"step {s}", s) for s in steps]

@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "ARCHITECTURE.md").read_text()
 
-GROUND = {"batch", "config", "checkpoints", "runs", "algorithms", "models", "lora"}
+GROUND = {"batch", "config", "checkpoints", "runs", "algorithms", "models", "lora", "progress"}
 WINGS = {"policy", "samplers", "rewards", "tasks", "agents"}
 ALLOWED = {  # (importer, imported) across the rules, each stated on the page
     ("tasks", "rewards"),

@@ -5,6 +5,7 @@ import time
 
 import pandas as pd
 import pytest
+import torch
 from matplotlib.figure import Figure
 
 import rlbench as rl
@@ -83,6 +84,20 @@ def test_rollout_table_and_sample_plot(trained):
     assert [patch.get_height() for patch in bottom.patches] == pytest.approx(
         batch["advantages"][row][:length].tolist())
     assert len(bottom.get_xticklabels()) == length
+
+
+def test_rollout_table_shows_a_stray_byte_readably(trained):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokenizer, batch = trained.tokenizer, trained.last_batch
+    ids = tokenizer.convert_tokens_to_ids(["1", bytes_to_unicode()[0xB7], "9"])  # a byte that forms no character
+    response_ids, mask = batch["response_ids"].clone(), batch["response_mask"].clone()
+    response_ids[0, :3], mask[0], mask[0, :3] = torch.tensor(ids), 0, 1
+    completions = ["1\ufffd9", *batch["completion"][1:]]
+    odd = batch.with_columns(response_ids=response_ids, response_mask=mask, completion=completions)
+    assert viz.rollout_table(odd)["completion"][0] == "1\ufffd9"  # without the tokenizer: the decoded text
+    assert viz.rollout_table(odd, tokenizer)["completion"][0] == "1<0xB7>9"
+    assert viz.rollout_table(odd, tokenizer)["completion"][1:].tolist() == completions[1:]
 
 
 def test_dashboard_receives_rows_and_rollouts(tiny_dir):
