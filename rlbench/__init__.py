@@ -16,6 +16,7 @@ from rlbench.cluster import Ray  # noqa: E402
 from rlbench.config import Config  # noqa: E402
 from rlbench.lora import LoRA  # noqa: E402
 from rlbench.session import Session  # noqa: E402
+from rlbench.sweeps import Sweep, sweep  # noqa: E402
 from rlbench import quickstart  # noqa: E402  (registers the built-in model tiny-arith-grpo)
 
 # torch._dynamo, imported with transformers' model classes, writes TORCHINDUCTOR_CACHE_DIR into the environment
@@ -25,7 +26,7 @@ for _name in set(os.environ) - set(_environment):
 os.environ.update(_environment)
 del _environment
 
-__all__ = ["Batch", "Config", "LoRA", "Ray", "Session", "agents", "algorithms", "interrupts", "models", "quickstart", "rewards", "samplers", "tasks", "tool", "viz", "workers"]
+__all__ = ["Batch", "Config", "LoRA", "Ray", "Session", "Sweep", "agents", "algorithms", "interrupts", "models", "quickstart", "rewards", "samplers", "sweep", "tasks", "tool", "viz", "workers"]
 __version__ = "0.1.0"
 
 
