@@ -11,7 +11,7 @@
 A run is `steps` training steps of one Session (inline, in its Ray task, with `cpus_per_run` CPUs and one torch
 thread per CPU; a GPU each where the cluster has them), held-out `evaluate()` at step 0, every `evaluate_every`
 steps and at the end, and a checkpoint at each evaluation. Its folder, `OUT_DIR/RUN_ID/`, holds `evals.jsonl` (the
-table's rows), `log.jsonl` (start, done and error events, with the traceback), the session's `metrics.jsonl` (one
+table's rows), `log.jsonl` (its events: start, restored from a checkpoint, done, error with the traceback), the session's `metrics.jsonl` (one
 row per step) and, while it runs, `checkpoints/`. The run id is made of the run's settings, seed and budget (the
 same on every machine), so calling the same sweep again with the same `out_dir` skips the runs that finished,
 resumes interrupted ones from their last checkpoint, and tries again those that raised. A run that raises is
@@ -329,8 +329,8 @@ def _cell(value):
 
 # ------------------------------------------------------------------------------------- one run
 class RunLog:
-    """A run's files in its folder: `log.jsonl` (events: start, done, error) and `evals.jsonl` (the table's
-    rows, one per evaluation)."""
+    """A run's files in its folder: `log.jsonl` (events: "start" for every attempt, "restored" with the checkpoint's
+    step, "done", "error" with its traceback) and `evals.jsonl` (the table's rows, one per evaluation)."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
@@ -383,16 +383,17 @@ def train_run(run: Run, folder: str, session_kwargs: dict, *, threads: int | Non
         "seed": run.seed, "cluster": "inline", "log_dir": str(log.folder.parent), "run_name": log.folder.name,
         "keep_last": 2}
     root = log.folder / "checkpoints"
+    log.event("start", pid=os.getpid(), settings=run.settings, seed=run.seed, steps=run.steps,
+              evaluate_every=run.evaluate_every)
     try:
         if checkpoints.step_dirs(root):
             session = rl.Session.restore(root, **kwargs)
+            log.event("restored", from_step=session.step_count)
         else:
             (log.folder / "metrics.jsonl").unlink(missing_ok=True)  # an attempt that ended before its first checkpoint
             session = rl.Session(**kwargs)
         with session:
             rows = log.evaluations(upto=session.step_count)
-            log.event("start", from_step=session.step_count, pid=os.getpid(), settings=run.settings, seed=run.seed,
-                      steps=run.steps, evaluate_every=run.evaluate_every)
             offset = rows[-1]["wall_s"] if rows else 0.0  # a resumed run's seconds go on from its checkpoint's
 
             def evaluation(previous: int) -> dict:
