@@ -287,7 +287,8 @@ def leaderboard_markdown(table: pd.DataFrame, spec: recipes.Leaderboard, *, comm
         "dynamic-sampling rounds and greedy baselines included; each run's curve interpolated there: accuracy per "
         "unit of sampling compute); the difference of final accuracy and AUC from GRPO's; wall time and tokens per "
         "run. Each is the mean over seeds with its 95% percentile-bootstrap interval `[lo, hi]` (`rlbench.stats`: "
-        "every resample of the seeds enumerated; for a difference, each arm's seeds resampled independently). "
+        "every resample of the seeds enumerated up to 10,000, else 10,000 seeded draws; for a difference, each arm's "
+        "seeds resampled independently). "
         "**Bold** differences have 0 outside their interval. Few seeds give wide intervals (with 3 or fewer, a mean's "
         "interval is the range of the seeds' values): read a difference as real only when bold, and a tiny model's "
         "short budget as how fast each preset starts to learn, not as a ranking at scale.", "",

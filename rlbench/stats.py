@@ -133,7 +133,8 @@ def compare(runs: pd.DataFrame, by: Sequence[str], baseline: dict, *,
             diff, lo, hi = difference_ci(arm[column].dropna(), arms[reference][column].dropna(), **bootstrap)
             row |= {f"{column}_diff": diff, f"{column}_lo": lo, f"{column}_hi": hi, f"{column}_real": lo > 0 or hi < 0}
         rows.append(row)
-    return pd.DataFrame(rows)
+    names = [f"{column}_{part}" for column in columns for part in ("diff", "lo", "hi", "real")]
+    return pd.DataFrame(rows, columns=[*by, "n", "n_baseline", *names])
 
 
 def curve_bands(table: pd.DataFrame, by: Sequence[str], *, metric: str = "greedy_accuracy", x: str = "step",
