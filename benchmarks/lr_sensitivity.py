@@ -9,7 +9,7 @@ Outputs under --out: table.jsonl (every run's evaluations), summary.jsonl (per a
 accuracy, AUC, accuracy at the token budget, each with its interval) and lr_sensitivity.png. The runs' folders go under
 --runs: running the script again skips the runs that finished and resumes the others. Prints one JSON line per
 (algorithm, learning rate).
-Run: .venv/bin/python benchmarks/lr_sensitivity.py [--steps 150] [--seeds 0 1 2] [--lrs 3e-5 1e-4 3e-4 1e-3]
+Run: .venv/bin/python benchmarks/lr_sensitivity.py [--steps 150] [--seeds 0 1 2] [--lrs 1e-5 3e-5 1e-4 3e-4]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--evaluate-every", type=int, default=25)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--lrs", type=float, nargs="+", default=[3e-5, 1e-4, 3e-4, 1e-3])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 3e-5, 1e-4, 3e-4])
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "lr_sensitivity")
     parser.add_argument("--runs", default="runs/lr_sensitivity", help="the runs' folders (kept for resuming)")

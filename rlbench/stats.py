@@ -95,7 +95,8 @@ def run_summaries(table: pd.DataFrame, *, metric: str = "greedy_accuracy", x: st
     fewest any run generated, so every run reaches it), with the run's other columns (its settings)."""
     budget = budget if budget is not None else float(table.groupby("run_id")[tokens].max().min())
     rows = []
-    for _, curve in table.sort_values(x).groupby("run_id", sort=False):
+    for _, curve in table.groupby("run_id", sort=False):  # runs in the table's order
+        curve = curve.sort_values(x)
         last = curve.iloc[-1]
         rows.append(last.to_dict() | {"final": float(last[metric]), "auc": auc(curve[x], curve[metric]),
                                       "at_budget": value_at(curve[tokens], curve[metric], budget), "budget": budget})

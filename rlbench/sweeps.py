@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 from tqdm.auto import tqdm
 
 from rlbench import checkpoints, recipes, stats
@@ -262,13 +263,16 @@ class Sweep:
 
     def plot(self, metric: str = "greedy_accuracy", *, x: str = "step", by: str | None = None,
              reference: str | None = None, per_panel: int = 6):
-        """A Figure of learning curves: per arm (the values of `by`, default the first of `columns`) the mean of
-        `metric` over seeds against `x` ("step" or "tokens") with its interval as a band; at most `per_panel` arms a
-        panel, `reference` (an arm's value, e.g. "grpo") drawn in every panel."""
+        """A Figure of learning curves: per arm (the values of column `by`; default every setting of `columns`, e.g.
+        "dapo lr=0.0003") the mean of `metric` over seeds against `x` ("step" or "tokens") with its interval as a band;
+        at most `per_panel` arms a panel, `reference` (an arm, e.g. "grpo lr=0.0001") drawn in every panel."""
         import matplotlib.pyplot as plt
 
-        by = by or self.columns[0]
         table = self.table[self.table["status"] == "done"]
+        if by is None:
+            by, first = "arm", self.columns[0]
+            table = table.assign(arm=table.apply(lambda row: " ".join(
+                [str(row[first]), *(f"{k}={row[k]}" for k in self.columns[1:])]), axis=1))
         groups = curve_panels(list(dict.fromkeys(table[by])), reference, per_panel)
         fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.8), squeeze=False)
         plt.close(fig)
@@ -451,6 +455,7 @@ def draw_curves(ax, table: pd.DataFrame, by: str, arms: list, *, metric: str = "
         at = [xs[(arm, s)] for s in band["step"]]
         ax.plot(at, band["mean"], color=color, label=str(arm), linewidth=1.4)
         ax.fill_between(at, band["lo"], band["hi"], color=color, alpha=0.15, linewidth=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("generated tokens" if x == "tokens" else x, fontsize=8)
     ax.set_ylabel(metric.replace("_", " "), fontsize=8)
     ax.tick_params(labelsize=8)
