@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from matplotlib.ticker import MaxNLocator
 from tqdm.auto import tqdm
 
 from rlbench import checkpoints, recipes, stats
@@ -134,8 +133,8 @@ class Sweep:
         self.planned = plan(grid, steps=steps, seeds=seeds, evaluate_every=evaluate_every, settings=settings)
         """Every run of the sweep, in grid order then seed order."""
         if not (cluster in (None, "inline") or isinstance(cluster, Ray)):
-            raise ValueError(f"cluster={cluster!r} is not one of: None (a private local Ray), 'inline' (one run after "
-                             f"another in this process), rl.Ray(address=...)")
+            raise recipes.RecipeError(f"cluster: {cluster!r} is not one of: None (RAY_ADDRESS, else a private local "
+                                      f"Ray), 'inline' (one run after another in this process), rl.Ray(address=...)")
         if not isinstance(cpus_per_run, int) or cpus_per_run < 1:
             raise recipes.RecipeError(f"cpus_per_run: must be a positive integer, got {cpus_per_run!r}")
         self.out_dir = Path(out_dir).resolve()
@@ -192,11 +191,13 @@ class Sweep:
                 [ref], _ = ray.wait(list(pending))
                 run = pending.pop(ref)
                 try:
-                    yield ray.get(ref)
+                    result = ray.get(ref)
                 except ray.exceptions.RayError as error:  # the task's process died (killed, out of memory)
-                    RunLog(self.out_dir / run.run_id).event("error", error=str(error))
-                    yield {"run_id": run.run_id, "status": "error", "error": str(error).strip().splitlines()[-1],
-                           "rows": RunLog(self.out_dir / run.run_id).evaluations()}
+                    log = RunLog(self.out_dir / run.run_id)
+                    log.event("error", error=str(error))
+                    result = {"run_id": run.run_id, "status": "error", "error": str(error).strip().splitlines()[-1],
+                              "rows": log.evaluations()}
+                yield result
         finally:
             for ref in pending:  # interrupted: the runs still going are stopped (they resume on the next call)
                 ray.cancel(ref, force=True)
@@ -303,9 +304,9 @@ def sweep(grid: dict | Sequence[dict], *, steps: int, seeds: Sequence[int] = (0,
     `grid`: {key: [values]} (every combination) or a list of points (dicts); keys are Session settings, plus
     `steps` / `evaluate_every` for a point's own budget. `settings`: what every run shares (model, task...).
     `steps` training steps per run, evaluated (held-out `Session.evaluate()`) at step 0, every `evaluate_every`
-    steps and at the end, checkpointed at each evaluation. `cluster`: None, a private local Ray using every core;
-    `rl.Ray(address=...)` a cluster to join; "inline" one run after another in this process. Each run is a Ray
-    task with `cpus_per_run` CPUs (its torch threads) and `gpus_per_run` GPUs (None: one where the cluster has
+    steps and at the end, checkpointed at each evaluation. `cluster`: None, RAY_ADDRESS's cluster if set, else a
+    private local Ray using every core; `rl.Ray(address=...)` a cluster to join; "inline" one run after another in
+    this process (`breakpoint()` works). Each run is a Ray task with `cpus_per_run` CPUs (its torch threads) and `gpus_per_run` GPUs (None: one where the cluster has
     GPUs). `out_dir/RUN_ID/` keeps each run's logs: calling again skips finished runs and resumes the others.
     `keep_checkpoints`: keep a finished run's last checkpoints (default: removed when it finishes).
     `on_result(sweep, result)` is called as each run ends.
@@ -446,6 +447,8 @@ def draw_curves(ax, table: pd.DataFrame, by: str, arms: list, *, metric: str = "
     """Into `ax`: for each arm (a value of column `by`) the mean of `metric` over its runs at each `x` and the 95%
     bootstrap interval as a band (`rlbench.stats.curve_bands`); `reference` in black. `x`: "step", or "tokens"
     (each run's evaluations are at its own token counts, so the curve is over the runs' mean tokens per step)."""
+    from matplotlib.ticker import MaxNLocator
+
     rows = table[table[by].isin(arms)]
     bands = stats.curve_bands(rows, [by], metric=metric, x="step")
     xs = rows.groupby([by, "step"])[x].mean()
