@@ -5,6 +5,7 @@ its checkpoint, a failing run is recorded while the others finish; the statistic
 import itertools
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -220,3 +221,6 @@ def test_the_sweep_command_checks_its_file(tmp_path, capsys):
     assert len(runs) == 8 and {r["steps"] for r in runs} == {6}
     assert {(r["settings"]["algorithm"], r["settings"]["lr"], r["seed"]) for r in runs} == set(
         itertools.product(["grpo", "dapo"], [1e-4, 3e-4], [0, 1]))
+    shipped = sweeps.load(Path(__file__).parents[1] / "algorithms" / "lr-sweep.toml")
+    assert len(shipped.planned) == 18 and shipped.columns == ["algorithm", "lr"]
+    assert shipped.out_dir.parts[-3:] == ("runs", "sweeps", "lr-sweep")
