@@ -354,7 +354,8 @@ def plot_leaderboard(table: pd.DataFrame, spec: recipes.Leaderboard, path: Path,
     panels = {label: sweeps.curve_panels([p for p in spec.presets if p in set(done[done["board"] == label]["preset"])],
                                          "grpo", per_panel) for label in spec.tasks}
     ncols = max(len(groups) for groups in panels.values())
-    fig, axes = plt.subplots(len(panels), ncols, figsize=(4.2 * ncols, 3.4 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(len(panels), ncols, figsize=(4.2 * ncols, 3.4 * len(panels)), squeeze=False,
+                             sharey="row")  # a task's panels on one scale
     for row, (label, groups) in zip(axes, panels.items()):
         for i, ax in enumerate(row):
             if i >= len(groups) or not groups[i]:

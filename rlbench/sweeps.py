@@ -432,14 +432,14 @@ def _evaluation(session, run: Run, previous: int, wall_s: float) -> dict:
 
 # ------------------------------------------------------------------------------------- plotting
 def curve_panels(arms: list, reference=None, per_panel: int = 6) -> list[list]:
-    """Arms split into panels of at most `per_panel` lines each, `reference` (when among the arms) in every one,
-    the others spread as evenly as the panel count allows."""
+    """Arms split into as few panels as hold at most `per_panel` lines each, `reference` (when among the arms) in
+    every one, the others in order, panel sizes differing by one at most (21 others, 6 a panel: 5, 4, 4, 4, 4)."""
     others = [arm for arm in arms if arm != reference]
     head = [reference] if reference in arms else []
-    room = max(per_panel - len(head), 1)
-    count = max(math.ceil(len(others) / room), 1)
-    size = math.ceil(len(others) / count) if others else 0
-    return [head + others[i * size:(i + 1) * size] for i in range(count)]
+    count = max(math.ceil(len(others) / max(per_panel - len(head), 1)), 1)
+    size, extra = divmod(len(others), count)
+    ends = list(itertools.accumulate(size + (i < extra) for i in range(count)))
+    return [head + others[end - size - (i < extra):end] for i, end in enumerate(ends)]
 
 
 def draw_curves(ax, table: pd.DataFrame, by: str, arms: list, *, metric: str = "greedy_accuracy", x: str = "step",
@@ -462,7 +462,7 @@ def draw_curves(ax, table: pd.DataFrame, by: str, arms: list, *, metric: str = "
     ax.set_xlabel("generated tokens" if x == "tokens" else x, fontsize=8)
     ax.set_ylabel(metric.replace("_", " "), fontsize=8)
     ax.tick_params(labelsize=8)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="best")
 
 
 # ------------------------------------------------------------------------------------ sweep files

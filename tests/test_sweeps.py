@@ -224,3 +224,11 @@ def test_the_sweep_command_checks_its_file(tmp_path, capsys):
     shipped = sweeps.load(Path(__file__).parents[1] / "algorithms" / "lr-sweep.toml")
     assert len(shipped.planned) == 18 and shipped.columns == ["algorithm", "lr"]
     assert shipped.out_dir.parts[-3:] == ("runs", "sweeps", "lr-sweep")
+
+
+def test_learning_curves_split_presets_across_panels_with_the_reference_in_each():
+    presets = ["grpo", *"abcdefghijklmnopqrstu"]  # GRPO and 21 others, at most 6 lines a panel: 5 panels of 5 or 4
+    panels = sweeps.curve_panels(presets, "grpo", per_panel=6)
+    assert [len(p) for p in panels] == [6, 5, 5, 5, 5] and all(p[0] == "grpo" for p in panels)
+    assert [arm for p in panels for arm in p[1:]] == presets[1:]
+    assert sweeps.curve_panels(["a", "b"], "grpo", per_panel=6) == [["a", "b"]]
