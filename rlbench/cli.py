@@ -279,7 +279,8 @@ def leaderboard_markdown(table: pd.DataFrame, spec: recipes.Leaderboard, *, comm
         f"`{spec.path}`: {len(spec.presets)} presets (every single-turn preset unless `presets` is set), seeds "
         f"{list(spec.seeds)}, on {os.cpu_count()} CPU cores ({platform.machine()}), {spec.workers} runs at once "
         f"({'Ray tasks, ' if spec.workers > 1 else ''}1 torch thread each). **Total wall time: {minutes:.1f} min** for "
-        f"{table['run_id'].nunique()} runs (runs already finished in the runs folder are not run again).", "",
+        f"{table['run_id'].nunique()} runs, whose own times add up to {table.groupby('run_id')['wall_s'].max().sum() / 60:.1f}"
+        f" min (a run that had finished in the runs folder is not run again: its time is from then).", "",
         "Every run is evaluated on the task's held-out prompts (greedy decoding) before training, every "
         "`evaluate_every` steps and at the end. Columns: the final greedy accuracy; the area under its learning curve "
         "(trapezoids over the evaluations, divided by the steps: the mean accuracy over training); the accuracy at "

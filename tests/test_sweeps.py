@@ -199,6 +199,7 @@ def test_the_leaderboard_page_from_hand_made_rows():
                                budgets={"arithmetic": {"steps": 4, "evaluate_every": 2}})
     page = cli.leaderboard_markdown(curve_table(), spec, command="rlbench leaderboard", minutes=1.5, commit="abc1234")
     assert "Reproduce: `rlbench leaderboard` at commit `abc1234`" in page and "**Total wall time: 1.5 min**" in page
+    assert "for 4 runs, whose own times add up to 0.9 min" in page  # 4 runs of 14 s each
     assert "4 steps, evaluated every 2; before training: greedy accuracy 0.300" in page
     assert "| preset | final greedy accuracy | AUC | greedy at 2,000 tokens | final − GRPO |" in page
     dapo, grpo = [line for line in page.splitlines() if line.startswith("| dapo") or line.startswith("| grpo")]
