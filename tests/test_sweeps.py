@@ -4,6 +4,7 @@ its checkpoint, a failing run is recorded while the others finish; the statistic
 
 import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -52,6 +53,8 @@ def test_a_sweep_runs_every_run_as_a_ray_task_and_records_the_one_that_fails(fir
     events = sweeps.RunLog(out / runs.loc[("/nonexistent/model", 0), "run_id"]).events()
     assert [e["event"] for e in events] == ["start", "error"]
     assert "ValueError" in events[-1]["error"] and "does not exist" in events[-1]["error"]
+    pids = {e["pid"] for run_id in sweep.runs["run_id"] for e in starts(out / run_id)}
+    assert os.getpid() not in pids  # every run in a Ray worker process, not in this one
     table = sweep.table
     assert list(table.columns[:4]) == ["run_id", "algorithm", "model", "seed"]
     assert len(table) == 6 and set(table["status"]) == {"done"}  # 2 runs x evaluations at steps 0, 2, 4
