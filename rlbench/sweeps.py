@@ -47,7 +47,6 @@ SET_BY_THE_SWEEP = ("seed", "cluster", "log_dir", "run_name", "save_dir", "save_
 """Session settings a sweep chooses for every run (seeds, its cluster, the run's folder)."""
 BUDGET_KEYS = {"steps": int, "evaluate_every": int}
 """Keys a grid point may also set (a budget per task, say), besides Session settings."""
-METRICS = ("greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward")
 
 
 @dataclass(frozen=True)
@@ -227,7 +226,7 @@ class Sweep:
     @property
     def runs(self) -> pd.DataFrame:
         """One row per run: `run_id`, its settings (`columns`), `seed`, `status` ("done", "error", or "pending"
-        when it has not ended in this sweep yet), `error` (the exception's last line), `step` reached, last
+        when it has not ended in this sweep yet), `error` ("Type: message" of what it raised), `step` reached, last
         `greedy_accuracy`, `wall_s`."""
         rows = []
         for run in self.planned:
