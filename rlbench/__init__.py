@@ -1,7 +1,8 @@
 """rlbench: reinforcement-learning post-training of language models, one inspectable step at a time.
 
 Importing it changes nothing in the process (no environment variable, thread count, RNG or other library is
-touched) and loads no plotting library: `rl.viz` (matplotlib, pandas) is imported on first use.
+touched) and loads no plotting library: `rl.viz` (matplotlib, pandas) and `rl.sweep` / `rl.Sweep` (pandas) are
+imported on first use.
 """
 
 import importlib
@@ -25,11 +26,13 @@ for _name in set(os.environ) - set(_environment):
 os.environ.update(_environment)
 del _environment
 
-__all__ = ["Batch", "Config", "LoRA", "Ray", "Session", "agents", "algorithms", "interrupts", "models", "quickstart", "rewards", "samplers", "tasks", "tool", "viz", "workers"]
+__all__ = ["Batch", "Config", "LoRA", "Ray", "Session", "Sweep", "agents", "algorithms", "interrupts", "models", "quickstart", "rewards", "samplers", "sweep", "tasks", "tool", "viz", "workers"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     if name == "viz":  # plots and the dashboard: matplotlib and pandas load when first asked for
         return importlib.import_module("rlbench.viz")
+    if name in ("sweep", "Sweep"):  # rlbench.sweeps: pandas loads when first asked for
+        return getattr(importlib.import_module("rlbench.sweeps"), name)
     raise AttributeError(f"module 'rlbench' has no attribute {name!r}")

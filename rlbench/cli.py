@@ -3,6 +3,7 @@
     rlbench run algorithms/grpo/arithmetic-tiny.toml session.lr=3e-4 steps=50   # train; --dry-run: check only
     rlbench reproduce algorithms/grpo/arithmetic-tiny.toml                      # train, evaluate, PASS / FAIL
     rlbench eval MODEL_DIR --task arithmetic --samples 8                        # greedy, pass@k, maj@k
+    rlbench sweep sweep.toml grid.lr=[1e-4,3e-4] steps=50                       # a grid x seeds as Ray tasks
     rlbench leaderboard                                                         # algorithms/LEADERBOARD.md + .png
     rlbench bench [step sampler ...] [--all]                                    # benchmarks/*.py, JSON lines
 
@@ -22,7 +23,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from rlbench import algorithms, recipes
+import pandas as pd
+
+from rlbench import algorithms, recipes, stats, sweeps
 from rlbench.lora import LoRA
 
 LEADERBOARD_SPEC = "algorithms/leaderboard.toml"
@@ -68,11 +71,18 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--max-new-tokens", type=int, default=16)
     sub.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
     sub.add_argument("--seed", type=int, default=0)
-    sub = command("leaderboard", leaderboard, "every preset on the leaderboard's tasks and seeds; writes "
-                  "LEADERBOARD.md and a plot")
+    sub = command("sweep", sweep, "a grid of session settings x seeds (a TOML sweep file), each run a Ray task; "
+                  "prints each arm's accuracy with 95%% intervals")
+    sub.add_argument("file", help="a sweep file (see rlbench.sweeps.load)")
+    sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. grid.lr=[1e-4,3e-4] steps=50 seeds=[0]")
+    sub.add_argument("--dry-run", action="store_true", help="check the file and print its runs; run nothing")
+    sub = command("leaderboard", leaderboard, "every preset on the leaderboard's tasks and seeds (a sweep); writes "
+                  "LEADERBOARD.md and its learning curves")
     sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. steps=5 seeds=[0] presets=[\"grpo\"]")
     sub.add_argument("--spec", default=LEADERBOARD_SPEC, help="the leaderboard's settings (default: %(default)s)")
     sub.add_argument("--out", default="algorithms/LEADERBOARD.md", help="markdown file; the plot goes next to it")
+    sub.add_argument("--runs", default="runs/leaderboard", help="the runs' folders: a finished run there is not run "
+                     "again, an interrupted one resumes (default: %(default)s)")
     sub = command("bench", bench, "run benchmark scripts of benchmarks/ (each prints JSON)")
     sub.add_argument("names", nargs="*", help=f"script names without .py (default: the quick ones, "
                      f"{' '.join(QUICK_BENCHMARKS)})")
@@ -184,57 +194,74 @@ def _correct(batch):
     return (batch["acc"] if "acc" in batch else batch["score"]).float() > 0
 
 
+# ------------------------------------------------------------------------------------------------- sweep
+def sweep(args) -> int:
+    run = sweeps.load(args.file, args.overrides)
+    if args.dry_run:
+        for planned in run.planned:
+            print(json.dumps({"run_id": planned.run_id, "seed": planned.seed, "steps": planned.steps,
+                              "evaluate_every": planned.evaluate_every, "settings": planned.settings}))
+        return 0
+    print(f"{args.file}: {len(run.planned)} runs into {run.out_dir}", flush=True)
+    for result in run.results(progress=sys.stderr.isatty()):
+        last = result["rows"][-1] if result["rows"] else {}
+        print(f"{result['run_id']}: {result['status']}" + (f" ({result['error']})" if result["error"] else
+              f", greedy accuracy {last['greedy_accuracy']:.3f} at step {last['step']}"), flush=True)
+    run.table.to_json(run.out_dir / "table.jsonl", orient="records", lines=True)
+    failed = int((run.runs["status"] == "error").sum())
+    if failed < len(run.planned):
+        for row in run.summary().to_dict("records"):
+            print(json.dumps(row))
+        run.plot().savefig(run.out_dir / "curves.png", dpi=100)
+    return 1 if failed else 0
+
+
 # ------------------------------------------------------------------------------------------- leaderboard
 def leaderboard(args) -> int:
     spec = recipes.load_leaderboard(args.spec, args.overrides)
     start = time.perf_counter()
-    rows = run_leaderboard(spec)
+    table = run_leaderboard(spec, args.runs)
     minutes = (time.perf_counter() - start) / 60
     spec_option = ["--spec", args.spec] if args.spec != LEADERBOARD_SPEC else []
     command = " ".join(["rlbench leaderboard", *args.overrides, *spec_option])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    out.write_text(leaderboard_markdown(rows, spec, command=command, minutes=minutes))
-    plot_leaderboard(rows, out.with_suffix(".png"))
+    table.to_json(out.with_suffix(".jsonl"), orient="records", lines=True)
+    out.write_text(leaderboard_markdown(table, spec, command=command, minutes=minutes, commit=_commit()))
+    plot_leaderboard(table, spec, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')} in {minutes:.1f} min")
     return 0
 
 
-def run_leaderboard(spec: recipes.Leaderboard) -> list[dict]:
-    """One row per (task, preset, seed); with more than one worker, runs spread over Ray tasks of 1 CPU each. A
-    preset that distils from a teacher runs on the tasks whose settings name one (`teacher`: only those presets get
-    it), and is left out of the others (`leaderboard_markdown` says so)."""
-    jobs = [(label, spec.tasks[label], preset, seed, spec.steps, spec.reward_at)
-            for label in spec.tasks for preset in spec.presets for seed in spec.seeds
-            if not needs_missing_teacher(spec.tasks[label], preset)]
+def run_leaderboard(spec: recipes.Leaderboard, runs_dir: str | os.PathLike) -> pd.DataFrame:
+    """Every (task, preset, seed) as one sweep (`rl.sweep`: Ray tasks of 1 CPU each, `spec.workers` at once; one
+    at a time in this process with 1 worker); its table with the task's label (`board`) and the preset. A preset
+    that distils from a teacher runs on the tasks whose settings name one (`teacher`: only those presets get it),
+    and is left out of the others (`leaderboard_markdown` says so)."""
+    from rlbench.cluster import Ray
 
-    def report(done: int, row: dict) -> None:
-        print(f"[{done}/{len(jobs)}] {row['task']} {row['preset']} seed {row['seed']}: greedy {row['before']:.3f} -> "
-              f"{row['greedy_accuracy']:.3f} ({row['wall_s']:.0f}s)", flush=True)
-
-    if spec.workers == 1:
-        rows = []
-        for job in jobs:
-            rows.append(leaderboard_run(*job))
-            report(len(rows), rows[-1])
-        return rows
-    import ray
-
-    from rlbench.cluster import Ray, acquire_ray, release_ray
-
-    acquire_ray(Ray(num_cpus=spec.workers), cpus_needed=spec.workers)
-    try:
-        remote = ray.remote(num_cpus=1)(leaderboard_run)
-        pending = [remote.remote(*job) for job in jobs]
-        rows = []
-        while pending:
-            done, pending = ray.wait(pending)
-            rows.append(ray.get(done[0]))
-            report(len(rows), rows[-1])
-        return rows
-    finally:
-        release_ray()
+    points, labels = [], []
+    for label, settings in spec.tasks.items():
+        for preset in spec.presets:
+            if needs_missing_teacher(settings, preset):
+                continue
+            kept = settings if algorithms.get(preset).needs_teacher else {k: v for k, v in settings.items()
+                                                                          if k != "teacher"}
+            points.append(kept | {"algorithm": preset, "threads": 1} | spec.budgets[label])
+            labels.append(label)
+    grid = sweeps.Sweep(points, steps=1, seeds=spec.seeds, out_dir=runs_dir,
+                        cluster="inline" if spec.workers == 1 else Ray(num_cpus=spec.workers))
+    board = {run.run_id: label for label, run in zip([lab for lab in labels for _ in spec.seeds], grid.planned)}
+    for result in grid.results(progress=False):
+        last = result["rows"][-1] if result["rows"] else {}
+        print(f"[{len(grid.results_by_run)}/{len(grid.planned)}] {board[result['run_id']]} {result['run_id']}: "
+              + (f"error: {result['error']}" if result["error"] else f"greedy {result['rows'][0]['greedy_accuracy']:.3f}"
+                 f" -> {last['greedy_accuracy']:.3f} ({last['wall_s']:.0f}s)"), flush=True)
+    runs = grid.runs
+    for failure in runs[runs["status"] == "error"].to_dict("records"):
+        print(f"failed: {board[failure['run_id']]} {failure['run_id']}: {failure['error']}", file=sys.stderr)
+    table = grid.table.rename(columns={"algorithm": "preset"})
+    return table.assign(board=table["run_id"].map(board))
 
 
 def needs_missing_teacher(settings: dict, preset: str) -> bool:
@@ -242,89 +269,113 @@ def needs_missing_teacher(settings: dict, preset: str) -> bool:
     return algorithms.get(preset).needs_teacher and not settings.get("teacher")
 
 
-def leaderboard_run(label: str, settings: dict, preset: str, seed: int, steps: int, reward_at: int) -> dict:
-    """One leaderboard cell: held-out greedy accuracy before and after `steps` steps, rewards, time, tokens. The
-    task's `teacher` goes only to a preset that distils from one (the others would compute its log-probs unused)."""
-    import rlbench as rl
-
-    start = time.perf_counter()
-    if not algorithms.get(preset).needs_teacher:
-        settings = {k: v for k, v in settings.items() if k != "teacher"}
-    kwargs = {"cluster": "inline", "threads": 1, "log_dir": None} | settings | {"algorithm": preset, "seed": seed}
-    session = rl.Session(**recipes.session_kwargs(kwargs))
-    before = session.evaluate()["greedy_accuracy"]
-    session.run(steps, progress=False)
-    after = session.evaluate()
-    reward, tokens = session.metrics["reward_mean"], session.metrics["tokens_generated"]
-    session.close()
-    return {"task": label, "preset": preset, "seed": seed, "before": before, **after,
-            f"reward@{reward_at}": float(reward[:reward_at].tail(10).mean()),
-            f"reward@{steps}": float(reward.tail(10).mean()), "tokens": int(tokens.sum()),
-            "wall_s": time.perf_counter() - start}
-
-
-def leaderboard_markdown(rows: list[dict], spec: recipes.Leaderboard, *, command: str, minutes: float) -> str:
-    """The leaderboard page: how it was made, each task's settings, one table per task sorted by accuracy."""
-    import pandas as pd
-
-    frame = pd.DataFrame(rows)
-    rewards = [f"reward@{spec.reward_at}", f"reward@{spec.steps}"]
+def leaderboard_markdown(table: pd.DataFrame, spec: recipes.Leaderboard, *, command: str, minutes: float,
+                         commit: str) -> str:
+    """The leaderboard page: how to reproduce it, each task's settings and budget, one table per task sorted by
+    final accuracy, with 95% bootstrap intervals over seeds and each preset's difference from GRPO."""
     lines = [
         "# CPU leaderboard of the algorithm zoo", "",
-        f"Generated by `{command}` from `{spec.path}` on {time.strftime('%Y-%m-%d')}: {len(spec.presets)} presets "
-        f"(every single-turn preset unless `presets` is set), {spec.steps} training steps, seeds "
+        f"Reproduce: `{command}` at commit `{commit}` (made on {time.strftime('%Y-%m-%d')}), settings in "
+        f"`{spec.path}`: {len(spec.presets)} presets (every single-turn preset unless `presets` is set), seeds "
         f"{list(spec.seeds)}, on {os.cpu_count()} CPU cores ({platform.machine()}), {spec.workers} runs at once "
-        f"({'Ray tasks, ' if spec.workers > 1 else ''}1 torch thread each). **Total wall time: {minutes:.1f} min** "
-        f"for {len(rows)} runs.", "",
-        "Columns: held-out greedy accuracy after training (mean ± std over seeds; `before` is the model "
-        "before training), sampled accuracy (temperature 1), mean training reward over the 10 steps before "
-        "the given step, wall time per run (build, evaluate, train, evaluate) and response tokens generated "
-        "per run (rollouts, dynamic-sampling rounds, greedy baselines). A small budget on a tiny model: read it "
-        "as how fast each preset starts to learn, not as a ranking of the methods at scale.", ""]
+        f"({'Ray tasks, ' if spec.workers > 1 else ''}1 torch thread each). **Total wall time: {minutes:.1f} min** for "
+        f"{table['run_id'].nunique()} runs, whose own times add up to {table.groupby('run_id')['wall_s'].max().sum() / 60:.1f}"
+        f" min (a run that had finished in the runs folder is not run again: its time is from then).", "",
+        "Every run is evaluated on the task's held-out prompts (greedy decoding) before training, every "
+        "`evaluate_every` steps and at the end. Columns: the final greedy accuracy; the area under its learning curve "
+        "(trapezoids over the evaluations, divided by the steps: the mean accuracy over training); the accuracy at "
+        "the task's token budget (the fewest response tokens any run of the task generated, rollouts, extra "
+        "dynamic-sampling rounds and greedy baselines included; each run's curve interpolated there: accuracy per "
+        "unit of sampling compute); the difference of final accuracy and AUC from GRPO's; wall time and tokens per "
+        "run. Each is the mean over seeds with its 95% percentile-bootstrap interval `[lo, hi]` (`rlbench.stats`: "
+        "every resample of the seeds enumerated up to 10,000, else 10,000 seeded draws; for a difference, each arm's "
+        "seeds resampled independently). "
+        "**Bold** differences have 0 outside their interval. Few seeds give wide intervals (with 3 or fewer, a mean's "
+        "interval is the range of the seeds' values): read a difference as real only when bold, and a tiny model's "
+        "short budget as how fast each preset starts to learn, not as a ranking at scale.", "",
+        "![learning curves](LEADERBOARD.png)", ""]
     for label, settings in spec.tasks.items():
-        table = frame[frame["task"] == label]
-        skipped = [preset for preset in spec.presets if needs_missing_teacher(settings, preset)]
-        lines += [f"## {label}", "", "Settings: " + ", ".join(f"`{k}={v!r}`" for k, v in settings.items())
-                  + f"; before training: greedy accuracy {table['before'].mean():.3f}."
-                  + (" `teacher` goes only to the distilling presets." if settings.get("teacher") else "")
-                  + (f" Not run: {', '.join(skipped)} (they distil from a teacher, and this task names none)."
-                     if skipped else ""), "",
-                  f"| preset | greedy accuracy | sampled accuracy | {' | '.join(rewards)} | wall s / run "
-                  "| tokens / run |",
-                  "|---|---|---|" + "---|" * len(rewards) + "---|---|"]
-        stats = table.drop(columns="task").groupby("preset").agg(["mean", "std"])
-        for preset in stats.sort_values(("greedy_accuracy", "mean"), ascending=False).index:
-            row = stats.loc[preset]
-            cells = [f"{row[(c, 'mean')]:.3f} ± {row[(c, 'std')]:.3f}" for c in
-                     ["greedy_accuracy", "sampled_accuracy", *rewards]]
-            lines.append(f"| {preset} | {' | '.join(cells)} | {row[('wall_s', 'mean')]:.1f} | "
-                         f"{row[('tokens', 'mean')]:,.0f} |")
-        lines.append("")
+        lines += _task_section(label, settings, spec, table[table["board"] == label])
     return "\n".join(lines)
 
 
-def plot_leaderboard(rows: list[dict], path: Path) -> None:
-    """Bars of held-out greedy accuracy per preset (mean, seeds' std as error bars), one panel per task."""
+def _task_section(label: str, settings: dict, spec: recipes.Leaderboard, table: pd.DataFrame) -> list[str]:
+    """One task's part of the page: its settings, failures and the table of presets."""
+    skipped = [preset for preset in spec.presets if needs_missing_teacher(settings, preset)]
+    failed = table[table["status"] == "error"].drop_duplicates("run_id")
+    done = table[table["status"] == "done"]
+    budget = spec.budgets[label]
+    lines = [f"## {label}", "", "Settings: " + ", ".join(f"`{k}={v!r}`" for k, v in settings.items())
+             + f"; {budget['steps']} steps, evaluated every {budget['evaluate_every']}; before training: greedy "
+             f"accuracy {done[done['step'] == 0]['greedy_accuracy'].mean():.3f}."
+             + (" `teacher` goes only to the distilling presets." if settings.get("teacher") else "")
+             + (f" Not run: {', '.join(skipped)} (they distil from a teacher, and this task names none)."
+                if skipped else "")
+             + (f" Failed: {', '.join(failed['run_id'])} (their errors: `runs/.../RUN_ID/log.jsonl`)." if len(failed)
+                else ""), ""]
+    if done.empty:
+        return lines
+    per_run = stats.run_summaries(done)
+    summary = stats.summarize(per_run, ["preset"], columns=("final", "auc", "at_budget", "wall_s", "tokens"))
+    versus = stats.compare(per_run, ["preset"], {"preset": "grpo"}, columns=("final", "auc")).set_index("preset")
+    lines += [f"| preset | final greedy accuracy | AUC | greedy at {per_run['budget'].iloc[0]:,.0f} tokens | "
+              "final − GRPO | AUC − GRPO | wall s / run | tokens / run |", "|---|---|---|---|---|---|---|---|"]
+    for row in summary.sort_values("final", ascending=False).to_dict("records"):
+        cells = [_with_interval(row, c) for c in ("final", "auc", "at_budget")]
+        cells += [_difference(versus, row["preset"], c) for c in ("final", "auc")]
+        lines.append(f"| {row['preset']} | {' | '.join(cells)} | {row['wall_s']:.1f} | {row['tokens']:,.0f} |")
+    return [*lines, ""]
+
+
+def _with_interval(row: dict, column: str) -> str:
+    return f"{row[column]:.3f} [{row[f'{column}_lo']:.3f}, {row[f'{column}_hi']:.3f}]"
+
+
+def _difference(versus: pd.DataFrame, preset: str, column: str) -> str:
+    """A difference from GRPO with its interval, bold when 0 lies outside it ("—" for GRPO itself)."""
+    if preset not in versus.index:
+        return "—"
+    row = versus.loc[preset]
+    diff = f"{row[f'{column}_diff']:+.3f}"
+    return f"{f'**{diff}**' if row[f'{column}_real'] else diff} [{row[f'{column}_lo']:+.3f}, {row[f'{column}_hi']:+.3f}]"
+
+
+def plot_leaderboard(table: pd.DataFrame, spec: recipes.Leaderboard, path: Path, per_panel: int = 6) -> None:
+    """Learning curves, one row of panels per task: held-out greedy accuracy against steps, per preset the mean over
+    seeds and its 95% bootstrap band; at most `per_panel` presets a panel, GRPO (black) in every one, each preset in
+    the same color everywhere."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import pandas as pd
 
-    frame = pd.DataFrame(rows)
-    labels = list(dict.fromkeys(frame["task"]))
-    fig, axes = plt.subplots(1, len(labels), figsize=(6 * len(labels), 5), squeeze=False)
-    for ax, label in zip(axes[0], labels):
-        table = frame[frame["task"] == label]
-        stats = table.groupby("preset")["greedy_accuracy"].agg(["mean", "std"]).sort_values("mean")
-        ax.barh(stats.index, stats["mean"], xerr=stats["std"].fillna(0), color="tab:blue", alpha=0.8)
-        ax.axvline(table["before"].mean(), color="black", linestyle="--", label="before training")
-        ax.set_title(label)
-        ax.set_xlabel("held-out greedy accuracy")
-        ax.legend(loc="lower right")
+    done = table[table["status"] == "done"]
+    others = [preset for preset in spec.presets if preset != "grpo"]  # tab20's strong colors first, then its light ones
+    colors = {preset: plt.get_cmap("tab20")((2 * i) % 20 + (i // 10) % 2) for i, preset in enumerate(others)}
+    panels = {label: sweeps.curve_panels([p for p in spec.presets if p in set(done[done["board"] == label]["preset"])],
+                                         "grpo", per_panel) for label in spec.tasks}
+    ncols = max(len(groups) for groups in panels.values())
+    fig, axes = plt.subplots(len(panels), ncols, figsize=(4.2 * ncols, 3.4 * len(panels)), squeeze=False,
+                             sharey="row")  # a task's panels on one scale
+    for row, (label, groups) in zip(axes, panels.items()):
+        for i, ax in enumerate(row):
+            if i >= len(groups) or not groups[i]:
+                ax.set_visible(False)
+                continue
+            sweeps.draw_curves(ax, done[done["board"] == label], "preset", groups[i], reference="grpo", colors=colors)
+            ax.set_title(f"{label} ({i + 1}/{len(groups)})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _commit() -> str:
+    """The checkout's short commit hash ("+" when it has uncommitted changes), or "unknown" outside git."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", *command], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    return (commit + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")) if commit else "unknown"
 
 
 # ------------------------------------------------------------------------------------------------- bench

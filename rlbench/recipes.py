@@ -97,10 +97,10 @@ class Recipe:
 
 def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recipe:
     """Read a recipe file, apply `KEY=VALUE` overrides, check every key; a `RecipeError` names the culprit."""
-    return from_dict(_read(path, overrides), path=str(path))
+    return from_dict(read_toml(path, overrides), path=str(path))
 
 
-def _read(path: str | os.PathLike, overrides: typing.Sequence[str]) -> dict:
+def read_toml(path: str | os.PathLike, overrides: typing.Sequence[str]) -> dict:
     """A TOML file's structure with the overrides applied (unchecked)."""
     try:
         raw = tomllib.loads(Path(path).read_text())
@@ -113,7 +113,7 @@ def _read(path: str | os.PathLike, overrides: typing.Sequence[str]) -> dict:
 
 def from_dict(raw: dict, *, path: str = "<dict>") -> Recipe:
     """A checked `Recipe` from the parsed structure of a recipe file."""
-    _check_keys("", raw, _TOP)
+    check_keys("", raw, _TOP)
     for key in ("steps", "session"):
         if key not in raw:
             raise RecipeError(f"{key}: missing (a recipe needs steps and a [session] table)")
@@ -121,11 +121,11 @@ def from_dict(raw: dict, *, path: str = "<dict>") -> Recipe:
         raise RecipeError(f"steps: must be a positive integer, got {raw['steps']!r}")
     target = None
     if "target" in raw:
-        _check_keys("target.", raw["target"], _TARGET)
+        check_keys("target.", raw["target"], _TARGET)
         missing = sorted(set(_TARGET) - set(raw["target"]) - {"tolerance"})
         if missing:
             raise RecipeError(f"target.{missing[0]}: missing; a target needs {', '.join(_TARGET)}")
-        _check_choice("target.metric", raw["target"]["metric"], EVAL_METRICS)
+        check_choice("target.metric", raw["target"]["metric"], EVAL_METRICS)
         target = Target(**{"tolerance": 0.0} | raw["target"])
     session = check_session(raw["session"], "session.")
     return Recipe(path=path, steps=raw["steps"], session=session, description=raw.get("description", ""),
@@ -136,7 +136,7 @@ def check_session(settings: dict, prefix: str) -> dict:
     """`settings` (Session keyword arguments, task / algorithm possibly tables) checked: returns them with
     numbers coerced to their field's type; a `RecipeError` names `prefix + key`."""
     out = dict(settings)
-    _check_keys(prefix, out, typing.get_type_hints(Config))
+    check_keys(prefix, out, typing.get_type_hints(Config))
     for key, head in _TABLE_HEADS.items():
         value = out.get(key, getattr(Config, key))
         if isinstance(value, str):
@@ -226,31 +226,31 @@ def _check_task(spec: dict, prefix: str) -> None:
     if _file_table(spec):
         accepted = {"train": str} | {k: v for k, v in typing.get_type_hints(tasks.from_parquet).items()
                                      if k not in ("path", "reward", "return")}
-        _check_keys(prefix, spec, accepted)
+        check_keys(prefix, spec, accepted)
         return
     if "name" not in spec:
         raise RecipeError(f"{prefix}name: missing; a task table has a built-in name or a train file")
-    _check_choice(f"{prefix}name", spec["name"], tasks.names())
+    check_choice(f"{prefix}name", spec["name"], tasks.names())
     factory = tasks.factory(spec["name"])  # its signature: nothing is built, no file is read
     hints = typing.get_type_hints(factory)
     options = {p: hints.get(p, Any) for p in inspect.signature(factory).parameters}
-    _check_keys(prefix, spec, {"name": str} | options)
+    check_keys(prefix, spec, {"name": str} | options)
 
 
 def _check_algorithm(spec: dict, key: str) -> None:
     """Check an algorithm table: its keys and types, then that the preset accepts the changes."""
     hints = typing.get_type_hints(algorithms.Algorithm)
-    _check_keys(f"{key}.", spec, {"preset": str} | {f.name: hints[f.name] for f in
+    check_keys(f"{key}.", spec, {"preset": str} | {f.name: hints[f.name] for f in
                                                      dataclasses.fields(algorithms.Algorithm)})
     if "preset" in spec:
-        _check_choice(f"{key}.preset", spec["preset"], algorithms.names())
+        check_choice(f"{key}.preset", spec["preset"], algorithms.names())
     try:
         build_algorithm(spec)
     except (TypeError, ValueError) as e:
         raise RecipeError(f"{key}: {e}") from None
 
 
-def _check_keys(prefix: str, table: dict, accepted: Mapping[str, Any]) -> None:
+def check_keys(prefix: str, table: dict, accepted: Mapping[str, Any]) -> None:
     """Every key of `table` is accepted and its value has the accepted type (ints become floats where a float
     is expected, lists tuples where a tuple is)."""
     if not isinstance(table, dict):
@@ -268,7 +268,7 @@ def _check_keys(prefix: str, table: dict, accepted: Mapping[str, Any]) -> None:
             table[key] = tuple(value)
 
 
-def _check_choice(key: str, value, valid) -> None:
+def check_choice(key: str, value, valid) -> None:
     if value not in valid:
         raise RecipeError(f"{key}: {value!r} is not one of: {', '.join(map(str, valid))}")
 
@@ -282,21 +282,21 @@ class Leaderboard:
     """The CPU leaderboard's settings (`algorithms/leaderboard.toml`): every preset on every task, per seed."""
 
     path: str
-    steps: int
-    """Training steps of every run."""
-    reward_at: int
-    """The step at which the mean training reward (over the 10 steps before it) is also reported."""
     seeds: tuple[int, ...]
     workers: int
-    """Runs at once, each in a Ray task with one torch thread (1: in this process)."""
+    """Runs at once, each a Ray task with one CPU and one torch thread (1: one after another in this process)."""
     presets: tuple[str, ...]
     """Presets to run (empty: every single-turn preset, `single_turn_presets()`)."""
     tasks: dict
     """Label -> Session keyword arguments (no algorithm, no seed: the leaderboard sets them)."""
+    budgets: dict
+    """Label -> {"steps": training steps, "evaluate_every": steps between held-out evaluations} of its runs (a
+    task's own `steps` / `evaluate_every`, else the file's)."""
 
 
-_LEADERBOARD = {"description": str, "steps": int, "reward_at": int, "seeds": list, "workers": int, "presets": list,
-                "tasks": dict}
+_LEADERBOARD = {"description": str, "steps": int, "evaluate_every": int, "seeds": list, "workers": int,
+                "presets": list, "tasks": dict}
+_BUDGET = ("steps", "evaluate_every")
 
 
 def single_turn_presets() -> list[str]:
@@ -305,22 +305,29 @@ def single_turn_presets() -> list[str]:
 
 
 def load_leaderboard(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Leaderboard:
-    """Read and check a leaderboard file with `KEY=VALUE` overrides (as `load` does for a recipe)."""
-    raw = _read(path, overrides)
-    _check_keys("", raw, _LEADERBOARD)
-    for key in ("steps", "reward_at", "workers"):
+    """Read and check a leaderboard file with `KEY=VALUE` overrides (as `load` does for a recipe). A task's table
+    may set its own `steps` and `evaluate_every` (its budget) besides Session settings."""
+    raw = read_toml(path, overrides)
+    check_keys("", raw, _LEADERBOARD)
+    if "steps" not in raw:
+        raise RecipeError("steps: missing (the training steps of every run, unless a task sets its own)")
+    for key in ("steps", "evaluate_every", "workers"):
         if raw.get(key, 1) <= 0:
             raise RecipeError(f"{key}: must be a positive integer, got {raw[key]!r}")
     for preset in raw.get("presets", []):
-        _check_choice("presets", preset, algorithms.names())
+        check_choice("presets", preset, algorithms.names())
+    budgets = {}
     for label, settings in raw.get("tasks", {}).items():
         for key in ("algorithm", "seed"):
             if key in settings:
                 raise RecipeError(f"tasks.{label}.{key}: set by the leaderboard (presets, seeds), not per task")
+        budgets[label] = {key: settings.pop(key, raw.get(key, raw["steps"])) for key in _BUDGET}
+        check_keys(f"tasks.{label}.", budgets[label], {key: int for key in _BUDGET})
+        for key, value in budgets[label].items():
+            if value <= 0:
+                raise RecipeError(f"tasks.{label}.{key}: must be a positive integer, got {value!r}")
         check_session(settings, f"tasks.{label}.")
     if not raw.get("tasks") or not raw.get("seeds"):
         raise RecipeError("tasks / seeds: a leaderboard needs at least one [tasks.LABEL] table and one seed")
-    reward_at = min(raw.get("reward_at", raw["steps"]), raw["steps"])
-    return Leaderboard(path=str(path), steps=raw["steps"], reward_at=reward_at, seeds=tuple(raw["seeds"]),
-                       workers=raw.get("workers", 1),
-                       presets=tuple(raw.get("presets") or single_turn_presets()), tasks=raw["tasks"])
+    return Leaderboard(path=str(path), seeds=tuple(raw["seeds"]), workers=raw.get("workers", 1),
+                       presets=tuple(raw.get("presets") or single_turn_presets()), tasks=raw["tasks"], budgets=budgets)

@@ -163,6 +163,13 @@ def test_leaderboard_spec_covers_every_preset_on_two_tasks():
         recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["tasks.arithmetic.seed=3"])
     with pytest.raises(recipes.RecipeError, match="presets: 'grpox' is not one of"):
         recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ['presets=["grpox"]'])
+    # a task's own budget, else the file's
+    spec = recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["steps=7", "evaluate_every=7",
+                                                                       "tasks.countdown.steps=20"])
+    assert spec.budgets["countdown"]["steps"] == 20 and spec.budgets["arithmetic"] == {"steps": 7, "evaluate_every": 7}
+    assert "steps" not in spec.tasks["countdown"]  # not a Session setting
+    with pytest.raises(recipes.RecipeError, match="tasks.countdown.evaluate_every: must be a positive integer, got 0"):
+        recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["tasks.countdown.evaluate_every=0"])
 
 
 def test_a_named_rollout_correction_in_an_algorithm_table():
