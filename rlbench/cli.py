@@ -171,8 +171,8 @@ def evaluate_at_k(session, max_prompts: int | None, k: int) -> dict:
     answers = [[extract_gsm8k(text, "flexible") or text.strip() for text, g in zip(sampled["completion"], groups)
                 if g == i] for i in range(len(examples))]
     pass_k, maj_k = pass_and_majority(correct, answers)
-    return {"prompts": len(examples), "greedy_accuracy": float(_correct(greedy).float().mean()),
-            "sampled_accuracy": float(correct_B.float().mean()), f"pass@{k}": pass_k, f"maj@{k}": maj_k}
+    return {"prompts": len(examples), "greedy_accuracy": algorithms.to_float(_correct(greedy).float().mean()),
+            "sampled_accuracy": algorithms.to_float(correct_B.float().mean()), f"pass@{k}": pass_k, f"maj@{k}": maj_k}
 
 
 def pass_and_majority(correct: list[list[bool]], answers: list[list[str]]) -> tuple[float, float]:

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from tqdm.auto import tqdm
 
 from rlbench import checkpoints, recipes, stats
 from rlbench.cluster import Ray, acquire_ray, check_resources, release_ray
 from rlbench.config import Config
+from rlbench.progress import bar as progress_bar
 from rlbench.sinks import read_jsonl
 
 SET_BY_THE_SWEEP = ("seed", "cluster", "log_dir", "run_name", "save_dir", "save_every")
@@ -154,7 +154,7 @@ class Sweep:
     def results(self, *, progress: bool = True) -> Iterator[dict]:
         """Run the sweep, yielding each run's result as it ends ({"run_id", "status": "done" | "error", "error",
         "rows"}); the runs `out_dir` holds finished come first, without running again."""
-        bar = tqdm(total=len(self.planned), desc="sweep", unit="run", disable=not progress)
+        bar = progress_bar(total=len(self.planned), desc=f"sweep {self.out_dir.name}", unit="run", disable=not progress)
         todo = []
         for run in self.planned:
             result = finished(self.out_dir / run.run_id)
