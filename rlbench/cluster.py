@@ -204,9 +204,11 @@ class Pending:
 
 
 def _shard(batch: Batch, rows: list[int]) -> Batch:
-    """What a training rank gets of `batch`: these rows' tensor columns. The text and the examples stay with
-    the driver (no rank reads them, and pickling them to a Ray actor costs more than the tensors)."""
-    return Batch((batch if len(rows) == len(batch) else batch[rows]).tensors)  # rows ascending: all is batch
+    """What a training rank gets of `batch`: these rows' tensor columns and the whole-batch values (`meta`, a few
+    names and numbers). The text and the examples stay with the driver (no rank reads them, and pickling them to a
+    Ray actor costs more than the tensors)."""
+    rows_batch = batch if len(rows) == len(batch) else batch[rows]  # rows ascending: all is batch
+    return Batch(rows_batch.tensors, meta=batch.meta)
 
 
 def balance(batch: Batch, n: int) -> list[list[int]]:

@@ -171,8 +171,8 @@ class Session:
             mask_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
             columns, meta, started = {}, {}, {}
             sampler_is_old = algorithm.bypass or (cfg.rollout_mode != "sync" and algorithm.correction is None)
-            if sampler_is_old:
-                columns["old_logp"] = batch["sampler_logp"]  # bypass, or sampled by older weights: PPO's old
+            if sampler_is_old:  # bypass, or sampled by older weights: PPO's old (the update then measures the mismatch)
+                columns["old_logp"], meta["old_logp_is_sampler"] = batch["sampler_logp"], True
             if algorithm.needs_sum_pi2:  # OTB: Σ_v π_v² per token, from the policy's log-prob forward (its weights)
                 started["old_logp+sum_pi2"] = self.policy.log_probs_async(batch, sum_pi2=True)
             elif not sampler_is_old and not cfg.on_policy_old_logp:  # (else the update's own forward gives it)
@@ -199,7 +199,7 @@ class Session:
                 rewards_B_T, batch_kl = algorithms.kl_in_reward(
                     rewards_B_T, columns["old_logp"], columns["ref_logp"], mask_B_T, coef=self.state.reward_kl.coef,
                     kind=algorithm.reward_kl_estimator)
-                meta = {"reward_kl": algorithms.to_float(batch_kl), "reward_kl_coef": self.state.reward_kl.coef}
+                meta |= {"reward_kl": algorithms.to_float(batch_kl), "reward_kl_coef": self.state.reward_kl.coef}
             if algorithm.correction is not None and not algorithm.bypass:  # (bypass: the loss corrects)
                 weights_B_T, loss_mask_B_T, stats = algorithm.correction(columns["old_logp"], batch["sampler_logp"], mask_B_T)
                 loss_mask_B_T = loss_mask_B_T * mask_B_T.to(loss_mask_B_T.dtype)

@@ -227,3 +227,27 @@ def test_tokens_generated_counts_every_rollout_of_the_step(algorithm):
         else:  # ReMax also decodes each prompt's greedy baseline: between 1 and max_new_tokens tokens each
             prompts = SMALL["prompts_per_step"]
             assert sampled + prompts <= row["tokens_generated"] <= sampled + prompts * SMALL["max_new_tokens"]
+
+
+def test_a_mini_batch_whose_old_logp_equals_the_sampler_s_bitwise_is_no_special_case(tiny_dir):
+    """Sync GRPO recomputes old_logp; where a mini-batch's happens to equal sampler_logp bit for bit (seen on
+    countdown), the update used to take it for an overlap batch, report the mismatch for that mini-batch only and
+    fail averaging the steps' metrics (KeyError). Whether old_logp is the sampler's is the batch's meta now."""
+    s = rl.Session(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", prompts_per_step=4,
+                   samples_per_prompt=4, max_new_tokens=8, mini_batches_per_step=2, threads=1, seed=0, log_dir=None)
+    batch = s.advantage(s.score(s.rollout()))
+    assert "old_logp_is_sampler" not in batch.meta
+    old_logp = batch["old_logp"].clone()
+    old_logp[:8] = batch["sampler_logp"][:8]  # the first mini-batch: equal bit for bit
+    stats = s.update(batch.with_columns(old_logp=old_logp))
+    assert not any(k.startswith("sampler_") for k in stats)  # the step's row measures the mismatch, from the batch
+
+
+def test_an_overlap_batch_says_its_old_logp_is_the_sampler_s(tiny_dir):
+    s = rl.Session(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline", prompts_per_step=4,
+                   samples_per_prompt=4, max_new_tokens=8, mini_batches_per_step=2, threads=1, seed=0, log_dir=None,
+                   rollout_mode="overlap")
+    batch = s.advantage(s.score(s.rollout()))
+    assert batch.meta["old_logp_is_sampler"] and torch.equal(batch["old_logp"], batch["sampler_logp"])
+    stats = s.update(batch)
+    assert {"sampler_mismatch_mean", "sampler_kl"} <= stats.keys()  # every mini-batch's forward measured it

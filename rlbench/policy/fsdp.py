@@ -131,8 +131,8 @@ class Policy:
         if "old_logp" not in micro:  # Config.on_policy_old_logp: these weights sampled the batch, old_logp is this forward's
             old_logp_B_T = logp_B_T.detach()
             mismatch = alg.mismatch_metrics(old_logp_B_T, micro["sampler_logp"], loss_mask(micro))
-        elif "sampler_logp" in micro and torch.equal(micro["old_logp"], micro["sampler_logp"]):  # overlap / async uncorrected: PPO's old is the
-            old_logp_B_T = micro["old_logp"]  # sampler's, so the batch shows no mismatch; this forward shows it
+        elif micro.meta.get("old_logp_is_sampler"):  # bypass, overlap / async uncorrected: PPO's old is the sampler's,
+            old_logp_B_T = micro["old_logp"]  # so the batch shows no mismatch; this forward shows it (for every micro-batch)
             mismatch = alg.mismatch_metrics(logp_B_T.detach(), old_logp_B_T, loss_mask(micro))
         else:
             old_logp_B_T, mismatch = micro["old_logp"], {}
