@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlbench import algorithms, recipes, stats, sweeps
+from rlbench import algorithms, recipes, stats, sweeps, tasks
+from rlbench.config import Config
 from rlbench.lora import LoRA
 
 LEADERBOARD_SPEC = "algorithms/leaderboard.toml"
@@ -236,22 +237,22 @@ def leaderboard(args) -> int:
 def run_leaderboard(spec: recipes.Leaderboard, runs_dir: str | os.PathLike) -> pd.DataFrame:
     """Every (task, preset, seed) as one sweep (`rl.sweep`: Ray tasks of 1 CPU each, `spec.workers` at once; one
     at a time in this process with 1 worker); its table with the task's label (`board`) and the preset. A preset
-    that distils from a teacher runs on the tasks whose settings name one (`teacher`: only those presets get it),
-    and is left out of the others (`leaderboard_markdown` says so)."""
+    runs on the tasks it can (`cannot_run`; `leaderboard_markdown` names the others); the task's `teacher` goes
+    only to the presets that distil."""
     from rlbench.cluster import Ray
 
     points, labels = [], []
     for label, settings in spec.tasks.items():
         for preset in spec.presets:
-            if needs_missing_teacher(settings, preset):
+            if cannot_run(settings, preset):
                 continue
             kept = settings if algorithms.get(preset).needs_teacher else {k: v for k, v in settings.items()
                                                                           if k != "teacher"}
             points.append(kept | {"algorithm": preset, "threads": 1} | spec.budgets[label])
-            labels.append(label)
-    grid = sweeps.Sweep(points, steps=1, seeds=spec.seeds, out_dir=runs_dir,
+            labels += [label] * len(spec.budgets[label]["seeds"])
+    grid = sweeps.Sweep(points, steps=1, out_dir=runs_dir,
                         cluster="inline" if spec.workers == 1 else Ray(num_cpus=spec.workers))
-    board = {run.run_id: label for label, run in zip([lab for lab in labels for _ in spec.seeds], grid.planned)}
+    board = {run.run_id: label for label, run in zip(labels, grid.planned)}
     for result in grid.results(progress=False):
         last = result["rows"][-1] if result["rows"] else {}
         print(f"[{len(grid.results_by_run)}/{len(grid.planned)}] {board[result['run_id']]} {result['run_id']}: "
@@ -264,9 +265,15 @@ def run_leaderboard(spec: recipes.Leaderboard, runs_dir: str | os.PathLike) -> p
     return table.assign(board=table["run_id"].map(board))
 
 
-def needs_missing_teacher(settings: dict, preset: str) -> bool:
-    """Whether the preset distils from a teacher and the task's settings name none."""
-    return algorithms.get(preset).needs_teacher and not settings.get("teacher")
+def cannot_run(settings: dict, preset: str) -> str | None:
+    """Why the preset cannot train on a task with these settings (it distils and they name no teacher, or it
+    credits turns and the task is single-turn), else None."""
+    algorithm = algorithms.get(preset)
+    if algorithm.needs_teacher and not settings.get("teacher"):
+        return "they distil from a teacher, and this task names none"
+    if algorithm.needs_turns and not isinstance(tasks.get(settings.get("task", Config.task)), tasks.AgentTask):
+        return "they credit each turn of an episode, and this task is single-turn"
+    return None
 
 
 def leaderboard_markdown(table: pd.DataFrame, spec: recipes.Leaderboard, *, command: str, minutes: float,
@@ -276,8 +283,8 @@ def leaderboard_markdown(table: pd.DataFrame, spec: recipes.Leaderboard, *, comm
     lines = [
         "# CPU leaderboard of the algorithm zoo", "",
         f"Reproduce: `{command}` at commit `{commit}` (made on {time.strftime('%Y-%m-%d')}), settings in "
-        f"`{spec.path}`: {len(spec.presets)} presets (every single-turn preset unless `presets` is set), seeds "
-        f"{list(spec.seeds)}, on {os.cpu_count()} CPU cores ({platform.machine()}), {spec.workers} runs at once "
+        f"`{spec.path}`: {len(spec.presets)} presets (every preset unless `presets` is set; each task runs those it "
+        f"can), each task's seeds and budget under its heading, on {os.cpu_count()} CPU cores ({platform.machine()}), {spec.workers} runs at once "
         f"({'Ray tasks, ' if spec.workers > 1 else ''}1 torch thread each). **Total wall time: {minutes:.1f} min** for "
         f"{table['run_id'].nunique()} runs, whose own times add up to {table.groupby('run_id')['wall_s'].max().sum() / 60:.1f}"
         f" min (a run that had finished in the runs folder is not run again: its time is from then).", "",
@@ -301,15 +308,19 @@ def leaderboard_markdown(table: pd.DataFrame, spec: recipes.Leaderboard, *, comm
 
 def _task_section(label: str, settings: dict, spec: recipes.Leaderboard, table: pd.DataFrame) -> list[str]:
     """One task's part of the page: its settings, failures and the table of presets."""
-    skipped = [preset for preset in spec.presets if needs_missing_teacher(settings, preset)]
+    skipped = {}
+    for preset in spec.presets:
+        if reason := cannot_run(settings, preset):
+            skipped.setdefault(reason, []).append(preset)
     failed = table[table["status"] == "error"].drop_duplicates("run_id")
     done = table[table["status"] == "done"]
     budget = spec.budgets[label]
     lines = [f"## {label}", "", "Settings: " + ", ".join(f"`{k}={v!r}`" for k, v in settings.items())
-             + f"; {budget['steps']} steps, evaluated every {budget['evaluate_every']}; before training: greedy "
+             + f"; seeds {budget['seeds']}, {budget['steps']} steps, evaluated every {budget['evaluate_every']}; "
+             f"before training: greedy "
              f"accuracy {done[done['step'] == 0]['greedy_accuracy'].mean():.3f}."
              + (" `teacher` goes only to the distilling presets." if settings.get("teacher") else "")
-             + (f" Not run: {', '.join(skipped)} (they distil from a teacher, and this task names none)."
+             + (" Not run: " + "; ".join(f"{', '.join(names)} ({reason})" for reason, names in skipped.items()) + "."
                 if skipped else "")
              + (f" Failed: {', '.join(failed['run_id'])} (their errors: `runs/.../RUN_ID/log.jsonl`)." if len(failed)
                 else ""), ""]

@@ -282,31 +282,25 @@ class Leaderboard:
     """The CPU leaderboard's settings (`algorithms/leaderboard.toml`): every preset on every task, per seed."""
 
     path: str
-    seeds: tuple[int, ...]
     workers: int
     """Runs at once, each a Ray task with one CPU and one torch thread (1: one after another in this process)."""
     presets: tuple[str, ...]
-    """Presets to run (empty: every single-turn preset, `single_turn_presets()`)."""
+    """Presets to run (empty: every preset; each task runs those it can, `cli.cannot_run`)."""
     tasks: dict
     """Label -> Session keyword arguments (no algorithm, no seed: the leaderboard sets them)."""
     budgets: dict
-    """Label -> {"steps": training steps, "evaluate_every": steps between held-out evaluations} of its runs (a
-    task's own `steps` / `evaluate_every`, else the file's)."""
+    """Label -> {"steps": training steps, "evaluate_every": steps between held-out evaluations, "seeds": [...]} of its
+    runs (a task's own `steps` / `evaluate_every` / `seeds`, else the file's)."""
 
 
 _LEADERBOARD = {"description": str, "steps": int, "evaluate_every": int, "seeds": list, "workers": int,
                 "presets": list, "tasks": dict}
-_BUDGET = ("steps", "evaluate_every")
-
-
-def single_turn_presets() -> list[str]:
-    """Every registered preset that trains on single-turn tasks (those whose advantage reads no per-turn data)."""
-    return [name for name in algorithms.names() if not algorithms.get(name).needs_turns]
+_BUDGET = {"steps": int, "evaluate_every": int, "seeds": list}
 
 
 def load_leaderboard(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Leaderboard:
     """Read and check a leaderboard file with `KEY=VALUE` overrides (as `load` does for a recipe). A task's table
-    may set its own `steps` and `evaluate_every` (its budget) besides Session settings."""
+    may set its own `steps`, `evaluate_every` and `seeds` (its budget) besides Session settings."""
     raw = read_toml(path, overrides)
     check_keys("", raw, _LEADERBOARD)
     if "steps" not in raw:
@@ -316,18 +310,24 @@ def load_leaderboard(path: str | os.PathLike, overrides: typing.Sequence[str] = 
             raise RecipeError(f"{key}: must be a positive integer, got {raw[key]!r}")
     for preset in raw.get("presets", []):
         check_choice("presets", preset, algorithms.names())
+    if not raw.get("tasks"):
+        raise RecipeError("tasks: a leaderboard needs at least one [tasks.LABEL] table")
+    defaults = {"steps": raw["steps"], "evaluate_every": raw.get("evaluate_every", raw["steps"]),
+                "seeds": raw.get("seeds", [])}
     budgets = {}
-    for label, settings in raw.get("tasks", {}).items():
+    for label, settings in raw["tasks"].items():
         for key in ("algorithm", "seed"):
             if key in settings:
                 raise RecipeError(f"tasks.{label}.{key}: set by the leaderboard (presets, seeds), not per task")
-        budgets[label] = {key: settings.pop(key, raw.get(key, raw["steps"])) for key in _BUDGET}
-        check_keys(f"tasks.{label}.", budgets[label], {key: int for key in _BUDGET})
-        for key, value in budgets[label].items():
-            if value <= 0:
-                raise RecipeError(f"tasks.{label}.{key}: must be a positive integer, got {value!r}")
+        budgets[label] = {key: settings.pop(key, default) for key, default in defaults.items()}
+        check_keys(f"tasks.{label}.", budgets[label], _BUDGET)
+        for key in ("steps", "evaluate_every"):
+            if budgets[label][key] <= 0:
+                raise RecipeError(f"tasks.{label}.{key}: must be a positive integer, got {budgets[label][key]!r}")
+        seeds = budgets[label]["seeds"]
+        if not seeds or not all(isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 for seed in seeds):
+            raise RecipeError(f"tasks.{label}.seeds: expected one or more integers >= 0 (the task's own, else the "
+                              f"file's `seeds`), got {seeds!r}")
         check_session(settings, f"tasks.{label}.")
-    if not raw.get("tasks") or not raw.get("seeds"):
-        raise RecipeError("tasks / seeds: a leaderboard needs at least one [tasks.LABEL] table and one seed")
-    return Leaderboard(path=str(path), seeds=tuple(raw["seeds"]), workers=raw.get("workers", 1),
-                       presets=tuple(raw.get("presets") or single_turn_presets()), tasks=raw["tasks"], budgets=budgets)
+    return Leaderboard(path=str(path), workers=raw.get("workers", 1),
+                       presets=tuple(raw.get("presets") or algorithms.names()), tasks=raw["tasks"], budgets=budgets)

@@ -46,7 +46,7 @@ from rlbench.sinks import read_jsonl
 SET_BY_THE_SWEEP = ("seed", "cluster", "log_dir", "run_name", "save_dir", "save_every")
 """Session settings a sweep chooses for every run (seeds, its cluster, the run's folder)."""
 BUDGET_KEYS = {"steps": int, "evaluate_every": int}
-"""Keys a grid point may also set (a budget per task, say), besides Session settings."""
+"""Keys a grid point may also set (a budget per task, say), besides Session settings and its own `seeds`."""
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,10 @@ class Run:
 def plan(grid: dict | Sequence[dict], *, steps: int, seeds: Sequence[int], evaluate_every: int | None = None,
          settings: dict | None = None) -> list[Run]:
     """The runs of a sweep, checked: `grid` is {key: [values]} (every combination) or a list of points (dicts);
-    each point's settings are `settings` with the point's put in; a point may set its own `steps` and
-    `evaluate_every`. A `RecipeError` names the key at fault (`grid.lr`, `settings.model`) and what it accepts."""
-    for seed in seeds:
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise recipes.RecipeError(f"seeds: expected integers >= 0, got {seed!r}")
+    each point's settings are `settings` with the point's put in; a point may set its own `steps`,
+    `evaluate_every` and `seeds`. A `RecipeError` names the key at fault (`grid.lr`, `settings.model`) and what it
+    accepts."""
+    _check_seeds(seeds, "seeds")
     settings = recipes.check_session(_session_part(settings or {}, "settings."), "settings.")
     points = list(_points(grid))
     runs = []
@@ -92,10 +91,19 @@ def plan(grid: dict | Sequence[dict], *, steps: int, seeds: Sequence[int], evalu
                 raise recipes.RecipeError(f"{prefix if key in point else ''}{key}: must be a positive integer, got "
                                           f"{value!r}")
         merged = recipes.check_session(settings | _session_part(point, prefix), prefix)
-        runs += [Run(merged, seed, budget["steps"], budget["evaluate_every"]) for seed in seeds]
+        point_seeds = _check_seeds(point["seeds"], f"{prefix}seeds") if "seeds" in point else seeds
+        runs += [Run(merged, seed, budget["steps"], budget["evaluate_every"]) for seed in point_seeds]
     if not runs:
         raise recipes.RecipeError("grid / seeds: a sweep needs at least one point and one seed")
     return runs
+
+
+def _check_seeds(seeds, key: str) -> list[int]:
+    """`seeds` as a list, when it is a sequence of integers >= 0; else a RecipeError naming `key`."""
+    if not isinstance(seeds, (list, tuple, range)) or not all(
+            isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 for seed in seeds):
+        raise recipes.RecipeError(f"{key}: expected a list of integers >= 0, got {seeds!r}")
+    return list(seeds)
 
 
 def _points(grid: dict | Sequence[dict]) -> Iterator[dict]:
@@ -115,7 +123,7 @@ def _session_part(point: dict, prefix: str) -> dict:
     for key in SET_BY_THE_SWEEP:
         if key in point:
             raise recipes.RecipeError(f"{prefix}{key}: set by the sweep (seeds, cluster, out_dir), not by a point")
-    return {k: v for k, v in point.items() if k not in BUDGET_KEYS}
+    return {k: v for k, v in point.items() if k not in BUDGET_KEYS and k != "seeds"}
 
 
 # --------------------------------------------------------------------------------------- the sweep
@@ -301,7 +309,7 @@ def sweep(grid: dict | Sequence[dict], *, steps: int, seeds: Sequence[int] = (0,
     """Run a grid of Session settings x seeds and return the `Sweep` (its `table`, `runs`, `summary()`, ...).
 
     `grid`: {key: [values]} (every combination) or a list of points (dicts); keys are Session settings, plus
-    `steps` / `evaluate_every` for a point's own budget. `settings`: what every run shares (model, task...).
+    `steps` / `evaluate_every` / `seeds` for a point's own budget. `settings`: what every run shares (model, task...).
     `steps` training steps per run, evaluated (held-out `Session.evaluate()`) at step 0, every `evaluate_every`
     steps and at the end, checkpointed at each evaluation. `cluster`: None, RAY_ADDRESS's cluster if set, else a
     private local Ray using every core; `rl.Ray(address=...)` a cluster to join; "inline" one run after another in
