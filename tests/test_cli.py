@@ -111,20 +111,27 @@ def test_pass_and_majority_on_hand_worked_samples():
 
 def test_leaderboard_writes_markdown_and_plot(tmp_path):
     out = tmp_path / "board" / "LEADERBOARD.md"
-    result = rlbench("leaderboard", "steps=2", "evaluate_every=1", "seeds=[0]", 'presets=["grpo", "opd"]', "workers=1",
+    result = rlbench("leaderboard", "steps=2", "evaluate_every=1", "seeds=[0]", 'presets=["grpo", "opd", "gigpo"]',
+                     "workers=1", "tasks.countdown.steps=2", "tasks.countdown.evaluate_every=1", "tasks.calculator.steps=1",
+                     "tasks.calculator.evaluate_every=1", "tasks.calculator.seeds=[0]",
                      "--spec", str(REPO / "algorithms" / "leaderboard.toml"), "--out", str(out),
                      "--runs", str(tmp_path / "runs"))
     assert result.returncode == 0, result.stderr
     text = out.read_text()
     assert text.startswith("# CPU leaderboard") and "Reproduce: `rlbench leaderboard steps=2" in text
-    assert "Total wall time:" in text and "## arithmetic" in text and "## countdown" in text
-    assert text.count("| grpo | ") == 2 and "2 steps, evaluated every 1" in text
-    # opd distils from arithmetic's teacher; countdown names none, so it is left out there, with the reason
-    assert text.count("| opd | ") == 1 and "Not run: opd (they distil from a teacher, and this task names none)" in text
+    assert "Total wall time:" in text and "## arithmetic" in text and "## countdown" in text and "## calculator" in text
+    assert text.count("| grpo | ") == 3 and "seeds [0], 2 steps, evaluated every 1" in text
+    # opd distils from arithmetic's teacher; countdown and calculator name none, so it is left out there, with the
+    # reason; gigpo credits turns: it runs on the agentic calculator only
+    assert text.count("| opd | ") == 1 and text.count("| gigpo | ") == 1
+    assert text.count("opd (they distil from a teacher, and this task names none)") == 2
+    assert text.count("gigpo (they credit each turn of an episode, and this task is single-turn)") == 2
     rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
-    assert len(rows) == 9 and {(r["board"], r["preset"]) for r in rows if r["step"] == 2} == {
-        ("arithmetic", "grpo"), ("arithmetic", "opd"), ("countdown", "grpo")}  # 3 runs, evaluated at steps 0, 1, 2
-    assert out.with_suffix(".png").stat().st_size > 1000 and len(list((tmp_path / "runs").iterdir())) == 3
+    assert {(r["board"], r["preset"], r["step"]) for r in rows if r["step"] > 0} == {
+        ("arithmetic", "grpo", 1), ("arithmetic", "grpo", 2), ("arithmetic", "opd", 1), ("arithmetic", "opd", 2),
+        ("countdown", "grpo", 1), ("countdown", "grpo", 2), ("calculator", "grpo", 1), ("calculator", "gigpo", 1)}
+    assert len(rows) == 13  # the 5 runs' step-0 evaluations too
+    assert out.with_suffix(".png").stat().st_size > 1000 and len(list((tmp_path / "runs").iterdir())) == 5
 
 
 def test_bench_runs_scripts_and_names_a_missing_one(tmp_path):

@@ -155,21 +155,29 @@ def test_file_task_table_builds_a_data_task(tmp_path):
         recipes.load(ARITHMETIC, [f"session.task={{train = '{tmp_path}/train.parquet', tset = 2}}"])
 
 
-def test_leaderboard_spec_covers_every_preset_on_two_tasks():
+def test_leaderboard_spec_covers_every_preset_on_three_tasks():
     spec = recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml")
-    assert spec.presets == tuple(recipes.single_turn_presets()) and len(spec.seeds) == 3 and len(spec.tasks) == 2
-    assert {s["task"] for s in spec.tasks.values()} == {"arithmetic", "countdown"}
+    assert spec.presets == tuple(rl.algorithms.names()) and len(spec.tasks) == 3
+    assert [s["task"] for s in spec.tasks.values()] == ["arithmetic", "countdown", "calculator"]
+    assert spec.budgets["arithmetic"] == {"steps": 300, "evaluate_every": 50, "seeds": [0, 1, 2]}  # the file's
+    assert spec.budgets["calculator"]["seeds"] == [0, 1] and spec.budgets["countdown"]["steps"] == 50  # their own
     with pytest.raises(recipes.RecipeError, match="tasks.arithmetic.seed: set by the leaderboard"):
         recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["tasks.arithmetic.seed=3"])
     with pytest.raises(recipes.RecipeError, match="presets: 'grpox' is not one of"):
         recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ['presets=["grpox"]'])
     # a task's own budget, else the file's
-    spec = recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["steps=7", "evaluate_every=7",
+    spec = recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["steps=7", "evaluate_every=7", "seeds=[4]",
                                                                        "tasks.countdown.steps=20"])
-    assert spec.budgets["countdown"]["steps"] == 20 and spec.budgets["arithmetic"] == {"steps": 7, "evaluate_every": 7}
-    assert "steps" not in spec.tasks["countdown"]  # not a Session setting
+    assert spec.budgets["countdown"]["steps"] == 20
+    assert spec.budgets["arithmetic"] == {"steps": 7, "evaluate_every": 7, "seeds": [4]}
+    assert "steps" not in spec.tasks["countdown"] and "seeds" not in spec.tasks["calculator"]  # not Session settings
     with pytest.raises(recipes.RecipeError, match="tasks.countdown.evaluate_every: must be a positive integer, got 0"):
         recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["tasks.countdown.evaluate_every=0"])
+    with pytest.raises(recipes.RecipeError, match=r"tasks.calculator.seeds: expected one or more integers >= 0 .*"
+                                                  r"got \[-1\]"):
+        recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["tasks.calculator.seeds=[-1]"])
+    with pytest.raises(recipes.RecipeError, match="tasks.arithmetic.seeds: expected one or more integers"):
+        recipes.load_leaderboard(ALGORITHMS / "leaderboard.toml", ["seeds=[]"])
 
 
 def test_a_named_rollout_correction_in_an_algorithm_table():

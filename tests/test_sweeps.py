@@ -119,6 +119,8 @@ def test_bad_settings_name_the_key_and_what_it_accepts(tmp_path):
         rl.Sweep([{"algorithm": "grpo"}, {"algorithm": "dapo", "steps": 0}], steps=2)
     with pytest.raises(recipes.RecipeError, match="grid.algorithm.preset: 'grpox' is not one of: .*grpo"):
         rl.Sweep({"algorithm": ["grpo", "grpox"]}, steps=2)
+    with pytest.raises(recipes.RecipeError, match=r"grid\[0\].seeds: expected a list of integers >= 0, got 3"):
+        rl.Sweep([{"algorithm": "grpo", "seeds": 3}], steps=2)
 
 
 def test_run_ids_depend_on_settings_seed_and_budget_only():
@@ -129,6 +131,24 @@ def test_run_ids_depend_on_settings_seed_and_budget_only():
     longer = rl.Sweep({"algorithm": ["grpo"], "lr": [1e-4]}, steps=20, seeds=[0]).planned[0]
     assert longer.run_id != a[0].run_id and longer.stops() == [20]
     assert rl.Sweep({"lr": [1e-4]}, steps=10, evaluate_every=4).planned[0].stops() == [4, 8, 10]
+
+
+def test_a_point_may_set_its_own_seeds_and_keeps_its_run_ids():
+    """A leaderboard's task with fewer seeds: the point's own `seeds` replace the sweep's, for that point only."""
+    runs = rl.Sweep([{"algorithm": "grpo"}, {"algorithm": "dapo", "seeds": [5]}], steps=10, seeds=[0, 1]).planned
+    assert [(r.settings["algorithm"], r.seed) for r in runs] == [("grpo", 0), ("grpo", 1), ("dapo", 5)]
+    assert "seeds" not in runs[2].settings
+    alone = rl.Sweep({"algorithm": ["dapo"]}, steps=10, seeds=[5]).planned[0]
+    assert runs[2].run_id == alone.run_id  # a run is the same run however its seed was given
+
+
+def test_a_leaderboard_task_runs_the_presets_that_can_train_on_it():
+    arithmetic, calculator = {"task": "arithmetic"}, {"task": "calculator"}
+    assert cli.cannot_run(arithmetic, "grpo") is None and cli.cannot_run(calculator, "grpo") is None
+    assert cli.cannot_run(calculator, "gigpo") is None
+    assert cli.cannot_run(arithmetic, "gigpo") == "they credit each turn of an episode, and this task is single-turn"
+    assert cli.cannot_run(calculator, "opd") == "they distil from a teacher, and this task names none"
+    assert cli.cannot_run(arithmetic | {"teacher": "tiny-arith-grpo"}, "opd") is None
 
 
 # ------------------------------------------------------------------------------------------- statistics
@@ -197,13 +217,13 @@ def test_summaries_and_differences_of_a_hand_made_table():
 
 
 def test_the_leaderboard_page_from_hand_made_rows():
-    spec = recipes.Leaderboard(path="board.toml", seeds=(0, 1), workers=2, presets=("grpo", "dapo"),
+    spec = recipes.Leaderboard(path="board.toml", workers=2, presets=("grpo", "dapo"),
                                tasks={"arithmetic": {"model": "tiny-arith"}},
-                               budgets={"arithmetic": {"steps": 4, "evaluate_every": 2}})
+                               budgets={"arithmetic": {"steps": 4, "evaluate_every": 2, "seeds": [0, 1]}})
     page = cli.leaderboard_markdown(curve_table(), spec, command="rlbench leaderboard", minutes=1.5, commit="abc1234")
     assert "Reproduce: `rlbench leaderboard` at commit `abc1234`" in page and "**Total wall time: 1.5 min**" in page
     assert "for 4 runs, whose own times add up to 0.9 min" in page  # 4 runs of 14 s each
-    assert "4 steps, evaluated every 2; before training: greedy accuracy 0.300" in page
+    assert "seeds [0, 1], 4 steps, evaluated every 2; before training: greedy accuracy 0.300" in page
     assert "| preset | final greedy accuracy | AUC | greedy at 2,000 tokens | final − GRPO |" in page
     dapo, grpo = [line for line in page.splitlines() if line.startswith("| dapo") or line.startswith("| grpo")]
     # dapo's AUCs 0.575 and 0.5 (mean 0.5375), grpo's 0.4 and 0.3: differences from 0.5 - 0.4 to 0.575 - 0.3
