@@ -220,6 +220,7 @@ def sweep(args) -> int:
 # ------------------------------------------------------------------------------------------- leaderboard
 def leaderboard(args) -> int:
     spec = recipes.load_leaderboard(args.spec, args.overrides)
+    commit = _commit()  # the code the runs run, before anyone edits the checkout meanwhile
     start = time.perf_counter()
     table = run_leaderboard(spec, args.runs)
     minutes = (time.perf_counter() - start) / 60
@@ -228,7 +229,7 @@ def leaderboard(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     table.to_json(out.with_suffix(".jsonl"), orient="records", lines=True)
-    out.write_text(leaderboard_markdown(table, spec, command=command, minutes=minutes, commit=_commit()))
+    out.write_text(leaderboard_markdown(table, spec, command=command, minutes=minutes, commit=commit))
     plot_leaderboard(table, spec, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')} in {minutes:.1f} min")
     return 0

@@ -137,7 +137,7 @@ class Session:
     def score(self, batch: Batch) -> Batch:
         """Add the task's `score` [B] (and its named components, e.g. `acc`, listed in `meta["reward_components"]`),
         `reward_error` per sample, and `reward` [B]: the score plus the algorithm's shaping (DAPO's overlong
-        penalty), what advantages use."""
+        penalty, on an episode's longest turn), what advantages use."""
         self._check_origin(batch, "score")
         cfg, algorithm = self.config, self.algorithm
         with self._timed("score"):
@@ -148,10 +148,11 @@ class Session:
                 score_B, components, errors = self.scorer.score(batch["completion"], batch["example"], batch["finished"])
             columns = {"score": score_B, "reward_error": errors, **components}
             reward_B = score_B
-            if algorithm.overlong_buffer:
+            if algorithm.overlong_buffer:  # an episode's turns are each capped at max_new_tokens: its longest counts
+                lengths_B = (algorithms.longest_turns(batch["loss_mask"], batch["turn"]) if batch.meta.get("agentic")
+                             else batch.tensors.get("loss_mask", batch["response_mask"]).sum(-1))
                 columns["overlong_penalty"] = algorithms.overlong_penalty(
-                    batch.tensors.get("loss_mask", batch["response_mask"]).sum(-1), cfg.max_new_tokens,
-                    algorithm.overlong_buffer, algorithm.overlong_factor)
+                    lengths_B, cfg.max_new_tokens, algorithm.overlong_buffer, algorithm.overlong_factor)
                 reward_B = reward_B + columns["overlong_penalty"]
             if "baseline_score" in batch:  # episodes: the greedy episode's score
                 columns["baseline_reward"] = batch["baseline_score"]

