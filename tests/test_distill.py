@@ -44,7 +44,9 @@ def test_forward_kl_against_the_teachers_top_k(tiny_dir, topk):
     torch.testing.assert_close(batch["teacher_topk_logp"], top.values * mask_B_T_1, atol=1e-5, rtol=0)
     assert torch.equal(batch["teacher_topk_ids"], top.indices * mask_B_T_1)
     assert batch["teacher_topk_ids"].dtype == torch.long
-    assert row["forward_kl"] > 0 and 0 < row["teacher_topk_mass"] <= 1 and 0 < row["student_topk_mass"] <= 1
+    # a mass is a float32 sum of up to 259 probabilities: 1 within rounding (1.0000001 on some CPUs)
+    assert row["forward_kl"] > 0
+    assert 0 < row["teacher_topk_mass"] <= 1 + 1e-6 and 0 < row["student_topk_mass"] <= 1 + 1e-6
 
 
 def test_the_teachers_tokenizer_must_be_the_policys():
