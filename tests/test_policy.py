@@ -30,10 +30,12 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_dir, rollout, mode, for
     policy.micro_batch_tokens = 30  # a few rows per micro-batch
     assert len(micro_batches(batch, 30)) >= 4
     split = policy.forward_backward(batch, algorithm, **counts)
-    # token-sum is not normalised: its gradient is num_tokens times larger, and so is its float noise
+    # token-sum is not normalised: its gradient is num_tokens times larger, and so is its float noise; a large entry
+    # (seq-mean-token-sum's sum over a sequence) is also allowed float32's relative noise (1.2e-6 off 1.58 seen)
     scale = counts["num_tokens"] if mode == "token-sum" else 1
     for name, grad in gradients(policy).items():
-        torch.testing.assert_close(grad / scale, expected[name] / scale, atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(grad / scale, expected[name] / scale, atol=1e-6, rtol=1e-6,
+                                   msg=lambda message: f"{name}: {message}")
     assert split["loss"] == pytest.approx(whole["loss"], abs=1e-6, rel=1e-6)  # token-sum: a sum of ~100 terms
 
 
