@@ -298,6 +298,14 @@ _LEADERBOARD = {"description": str, "steps": int, "evaluate_every": int, "seeds"
 _BUDGET = {"steps": int, "evaluate_every": int, "seeds": list}
 
 
+def check_seeds(seeds, key: str) -> list[int]:
+    """`seeds` as a list, when it is a non-empty sequence of integers >= 0; else a RecipeError naming `key`."""
+    if not isinstance(seeds, (list, tuple, range)) or not seeds or not all(
+            isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 for seed in seeds):
+        raise RecipeError(f"{key}: expected one or more integers >= 0, got {seeds!r}")
+    return list(seeds)
+
+
 def load_leaderboard(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Leaderboard:
     """Read and check a leaderboard file with `KEY=VALUE` overrides (as `load` does for a recipe). A task's table
     may set its own `steps`, `evaluate_every` and `seeds` (its budget) besides Session settings."""
@@ -324,10 +332,7 @@ def load_leaderboard(path: str | os.PathLike, overrides: typing.Sequence[str] = 
         for key in ("steps", "evaluate_every"):
             if budgets[label][key] <= 0:
                 raise RecipeError(f"tasks.{label}.{key}: must be a positive integer, got {budgets[label][key]!r}")
-        seeds = budgets[label]["seeds"]
-        if not seeds or not all(isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 for seed in seeds):
-            raise RecipeError(f"tasks.{label}.seeds: expected one or more integers >= 0 (the task's own, else the "
-                              f"file's `seeds`), got {seeds!r}")
+        check_seeds(budgets[label]["seeds"], f"tasks.{label}.seeds")
         check_session(settings, f"tasks.{label}.")
     return Leaderboard(path=str(path), workers=raw.get("workers", 1),
                        presets=tuple(raw.get("presets") or algorithms.names()), tasks=raw["tasks"], budgets=budgets)

@@ -80,7 +80,7 @@ def plan(grid: dict | Sequence[dict], *, steps: int, seeds: Sequence[int], evalu
     each point's settings are `settings` with the point's put in; a point may set its own `steps`,
     `evaluate_every` and `seeds`. A `RecipeError` names the key at fault (`grid.lr`, `settings.model`) and what it
     accepts."""
-    _check_seeds(seeds, "seeds")
+    recipes.check_seeds(seeds, "seeds")
     settings = recipes.check_session(_session_part(settings or {}, "settings."), "settings.")
     points = list(_points(grid))
     runs = []
@@ -92,19 +92,11 @@ def plan(grid: dict | Sequence[dict], *, steps: int, seeds: Sequence[int], evalu
                 raise recipes.RecipeError(f"{prefix if key in point else ''}{key}: must be a positive integer, got "
                                           f"{value!r}")
         merged = recipes.check_session(settings | _session_part(point, prefix), prefix)
-        point_seeds = _check_seeds(point["seeds"], f"{prefix}seeds") if "seeds" in point else seeds
+        point_seeds = recipes.check_seeds(point["seeds"], f"{prefix}seeds") if "seeds" in point else seeds
         runs += [Run(merged, seed, budget["steps"], budget["evaluate_every"]) for seed in point_seeds]
     if not runs:
-        raise recipes.RecipeError("grid / seeds: a sweep needs at least one point and one seed")
+        raise recipes.RecipeError("grid: a sweep needs at least one point")
     return runs
-
-
-def _check_seeds(seeds, key: str) -> list[int]:
-    """`seeds` as a list, when it is a sequence of integers >= 0; else a RecipeError naming `key`."""
-    if not isinstance(seeds, (list, tuple, range)) or not all(
-            isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 for seed in seeds):
-        raise recipes.RecipeError(f"{key}: expected a list of integers >= 0, got {seeds!r}")
-    return list(seeds)
 
 
 def _points(grid: dict | Sequence[dict]) -> Iterator[dict]:
@@ -306,7 +298,8 @@ class Sweep:
 
     def _repr_html_(self) -> str:
         runs = self.runs
-        body = self.summary().round(3).to_html(index=False) if (runs["status"] == "done").any() else runs.to_html(index=False)
+        done = (runs["status"] == "done").any()
+        body = (self.summary() if done else runs).round(3).to_html(index=False)
         return f"<div><b>sweep</b> {self._counts()}</div>{body}"
 
     def _counts(self) -> str:

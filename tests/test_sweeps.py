@@ -119,7 +119,7 @@ def test_bad_settings_name_the_key_and_what_it_accepts(tmp_path):
         rl.Sweep([{"algorithm": "grpo"}, {"algorithm": "dapo", "steps": 0}], steps=2)
     with pytest.raises(recipes.RecipeError, match="grid.algorithm.preset: 'grpox' is not one of: .*grpo"):
         rl.Sweep({"algorithm": ["grpo", "grpox"]}, steps=2)
-    with pytest.raises(recipes.RecipeError, match=r"grid\[0\].seeds: expected a list of integers >= 0, got 3"):
+    with pytest.raises(recipes.RecipeError, match=r"grid\[0\].seeds: expected one or more integers >= 0, got 3"):
         rl.Sweep([{"algorithm": "grpo", "seeds": 3}], steps=2)
 
 
