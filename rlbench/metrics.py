@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from rlbench.algorithms import masked_mean, mismatch_metrics, to_float
 from rlbench.batch import Batch
+from rlbench.rewards.answers import extract_gsm8k
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
@@ -37,6 +40,33 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
 def accuracy(batch: Batch) -> torch.Tensor:
     """Per-sample accuracy: the reward's "acc" component when it has one, else the task's score."""
     return batch["acc"] if "acc" in batch else batch["score"]
+
+
+def at_k(batch: Batch, prompts: int) -> dict[str, float]:
+    """pass@k and maj@k of a scored batch of k samples for each of `prompts` prompts (group ids 0..prompts-1).
+
+    A sample is correct when its accuracy is above 0; its answer is the last number of its completion (the text
+    itself when it has none). See `pass_and_majority`."""
+    correct_B, groups = (accuracy(batch) > 0).tolist(), batch["group_ids"].tolist()
+    answers_B = [extract_gsm8k(text, "flexible") or text.strip() for text in batch["completion"]]
+    correct = [[c for c, g in zip(correct_B, groups) if g == i] for i in range(prompts)]
+    answers = [[a for a, g in zip(answers_B, groups) if g == i] for i in range(prompts)]
+    k = len(batch) // prompts
+    return dict(zip((f"pass@{k}", f"maj@{k}"), pass_and_majority(correct, answers)))
+
+
+def pass_and_majority(correct: list[list[bool]], answers: list[list[str]]) -> tuple[float, float]:
+    """(pass@k, maj@k) from each prompt's k samples: whether each is correct, and its final answer.
+
+    pass@k: a prompt counts when any sample is correct. maj@k: the most frequent answer (the first of those
+    tied) is scored; it is correct when the samples giving it are.
+    """
+    passed = sum(any(c) for c in correct)
+    majority = 0
+    for c, a in zip(correct, answers):
+        winner = Counter(a).most_common(1)[0][0]
+        majority += c[a.index(winner)]
+    return passed / len(correct), majority / len(correct)
 
 
 def episode_metrics(batch: Batch) -> dict[str, float]:

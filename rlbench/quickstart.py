@@ -14,22 +14,32 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM
 
 import rlbench as rl
-from rlbench import models
+from rlbench import models, recipes
+from rlbench.models.tiny_arith import GRPO_NAME
 from rlbench.models.warm_start import build_cached, cache_root
 
 SETTINGS = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline",
                 prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, lr=1e-4)
-"""The quickstart's configuration (any `rl.Session` keyword can be overridden with --set key=value)."""
+"""The quickstart's configuration (any `rl.Session` keyword can be overridden with --set KEY=VALUE)."""
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser = argparse.ArgumentParser(prog="python -m rlbench.quickstart", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="GRPO steps (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/quickstart", help="folder for the reward-curve PNG")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="an rl.Session setting, e.g. --set lr=3e-4 --set algorithm=dapo (repeatable)")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps: must be at least 1, got {args.steps}")
+    try:
+        settings = _settings(args.overrides)
+    except recipes.RecipeError as e:
+        parser.error(str(e))
 
-    session = rl.Session(**SETTINGS, seed=args.seed)
+    print("settings: " + ", ".join(f"{key}={value!r}" for key, value in settings.items()))
+    session = rl.Session(**recipes.session_kwargs(settings), seed=args.seed)
     print(session)
     before = session.evaluate()
     print(f"before: greedy accuracy {before['greedy_accuracy']:.3f}, sampled {before['sampled_accuracy']:.3f}")
@@ -54,7 +64,15 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-TEACHER = "tiny-arith-grpo"
+def _settings(overrides: list[str]) -> dict:
+    """SETTINGS with `--set KEY=VALUE` overrides, checked as a recipe's `[session]` table is."""
+    raw = {"session": dict(SETTINGS)}
+    for assignment in overrides:
+        recipes.apply_override(raw, f"session.{assignment}")
+    return recipes.check_session(raw["session"], "")
+
+
+TEACHER = GRPO_NAME
 """The built-in model name of `trained(300, seed)`: the teacher of on-policy distillation's demonstration."""
 
 
@@ -72,11 +90,9 @@ def trained(steps: int = 300, seed: int = 0) -> Path:
     return build_cached(cache_root() / f"tiny-arith-grpo{steps}-seed{seed}", train)
 
 
-def _teacher(seed: int) -> Path:
+def teacher(seed: int) -> Path:
+    """The built-in model `TEACHER` (`rl.models.resolve("tiny-arith-grpo")` imports this module to build it)."""
     return trained(300, seed)
-
-
-models.register(TEACHER, _teacher)
 
 
 def _save_curve(metrics, path: Path) -> None:

@@ -20,7 +20,7 @@ from rlbench import algorithms, checkpoints, interrupts, preflight, resume, task
 from rlbench.batch import Batch
 from rlbench.cluster import WorkerDied
 from rlbench.config import Config, make_config
-from rlbench.metrics import accuracy, batch_metrics
+from rlbench.metrics import accuracy, at_k, batch_metrics
 from rlbench.prefetch import Prefetch
 from rlbench.progress import bar as progress_bar
 from rlbench.rollouts import AsyncRollouts
@@ -465,17 +465,21 @@ class Session:
         params = SamplingParams(max_new_tokens=max_new_tokens or self.config.max_new_tokens, temperature=0)
         return self.sampler.generate(texts, params)["completion"] if texts else []
 
-    def evaluate(self, *, max_prompts: int | None = None, progress: bool = False) -> dict[str, float]:
-        """Held-out accuracy and mean reward, greedy and sampled (`eval_samples` per prompt). rollout_mode="async":
-        by the weights the first rollout worker holds (the newest pushed), with no new group started meanwhile."""
+    def evaluate(self, *, max_prompts: int | None = None, samples: int | None = None,
+                 progress: bool = False) -> dict[str, float]:
+        """Held-out accuracy and mean reward, greedy and sampled (`eval_samples` per prompt); with `samples=k`, k
+        per prompt and also pass@k and maj@k (`metrics.at_k`). rollout_mode="async": by the weights the first
+        rollout worker holds (the newest pushed), with no new group started meanwhile."""
         cfg = self.config
         examples = list(self.task.test)[:max_prompts]
         if not examples:
             raise ValueError(f"evaluate: no held-out prompts (task {getattr(self.task, 'name', self.task)!r} has "
                              f"{len(self.task.test)} test examples, max_prompts={max_prompts})")
+        if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
+            raise ValueError(f"evaluate: samples must be a positive integer (completions per prompt), got {samples!r}")
         greedy = SamplingParams(n=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
-        sampled = SamplingParams(n=cfg.eval_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                 top_p=cfg.top_p, top_k=cfg.top_k, seed=mix(cfg.seed, -1))
+        sampled = SamplingParams(n=samples or cfg.eval_samples, max_new_tokens=cfg.max_new_tokens,
+                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=mix(cfg.seed, -1))
         result = {}
         with self._async.paused() if self._async is not None else nullcontext():  # async: no new groups meanwhile
             for mode, params in progress_bar([("greedy", greedy), ("sampled", sampled)], desc=f"{self.run_name} evaluate",
@@ -485,6 +489,8 @@ class Session:
                 scored = self.score(rollout)
                 result[f"{mode}_accuracy"] = algorithms.to_float(accuracy(scored).mean())
                 result[f"{mode}_reward"] = algorithms.to_float(scored["score"].mean())
+        if samples is not None:
+            result |= at_k(scored, len(examples))
         return result
 
     def episode(self, example: dict | None = None, *, greedy: bool = False):

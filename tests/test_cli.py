@@ -1,5 +1,7 @@
 """The `rlbench` command, run as a real subprocess: errors, dry runs, a short run, reproduce, eval, leaderboard, bench."""
 
+import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -10,6 +12,9 @@ import pytest
 
 import rlbench as rl
 from rlbench import cli
+from rlbench.metrics import pass_and_majority
+
+from floats import approx
 
 REPO = Path(__file__).resolve().parents[1]
 ARITHMETIC = str(REPO / "algorithms" / "grpo" / "arithmetic-tiny.toml")
@@ -62,7 +67,7 @@ def test_short_run_trains_and_evaluates():
     result = rlbench("run", ARITHMETIC, "steps=3", "session.log_dir=none")
     assert result.returncode == 0, result.stderr
     out = last_json(result.stdout)
-    assert out["steps"] == 3 and out["before"]["greedy_accuracy"] == pytest.approx(0.315)  # tiny-arith's start
+    assert out["steps"] == 3 and out["before"]["greedy_accuracy"] == approx(0.315)  # tiny-arith's start
     assert 0 <= out["after"]["greedy_accuracy"] <= 1 and out["train_seconds"] > 0
 
 
@@ -96,9 +101,33 @@ def test_eval_reports_greedy_pass_and_majority_at_k():
                      "--max-new-tokens", "8")
     assert result.returncode == 0, result.stderr
     out = last_json(result.stdout)
-    session = rl.Session(model="tiny-arith", task="arithmetic", cluster="inline", log_dir=None, max_new_tokens=8)
-    assert out["prompts"] == 20 and out["greedy_accuracy"] == session.evaluate(max_prompts=20)["greedy_accuracy"]
+    with rl.Session(model="tiny-arith", task="arithmetic", cluster="inline", log_dir=None, max_new_tokens=8) as session:
+        assert out == {"model": "tiny-arith", "task": "arithmetic", "k": 4, "prompts": 20,
+                       **session.evaluate(max_prompts=20, samples=4)}  # the same evaluation: Session.evaluate
     assert out["pass@4"] >= out["maj@4"] and out["pass@4"] >= out["sampled_accuracy"] > 0
+
+
+MODEL_FOR = {"arithmetic": "tiny-arith", "multiplication": "tiny-arith", "sort": "tiny-mix", "reverse": "tiny-mix",
+             "countdown": "tiny-mix", "calculator": "tiny-tools"}
+
+
+def test_eval_runs_on_every_built_in_task_agentic_ones_too(capsys):
+    needs_a_file = [name for name in rl.tasks.names() if any(
+        p.default is inspect.Parameter.empty for p in inspect.signature(rl.tasks.factory(name)).parameters.values())]
+    assert needs_a_file == ["tool_math"]  # its rows come from a file: `rlbench eval MODEL --task FILE` for those
+    assert sorted(MODEL_FOR) == sorted(set(rl.tasks.names()) - {"tool_math"})
+    for task, model in MODEL_FOR.items():
+        assert cli.main(["eval", model, "--task", task, "--samples", "2", "--max-prompts", "3"]) == 0
+        out = last_json(capsys.readouterr().out)
+        assert out["prompts"] == 3 and set(out) >= {"greedy_accuracy", "sampled_accuracy", "pass@2", "maj@2"}, task
+        assert 0 <= out["maj@2"] <= out["pass@2"] <= 1 and out["sampled_accuracy"] <= out["pass@2"], (task, out)
+
+
+@pytest.mark.parametrize("option", ["--samples", "--max-prompts", "--max-new-tokens"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_eval_refuses_a_count_below_one_naming_the_option(option, value, capsys):
+    assert cli.main(["eval", "tiny-arith", "--task", "arithmetic", option, value]) == 2
+    assert capsys.readouterr().err.strip() == f"rlbench eval: {option}: must be a positive integer, got {value}"
 
 
 def test_pass_and_majority_on_hand_worked_samples():
@@ -106,7 +135,34 @@ def test_pass_and_majority_on_hand_worked_samples():
                [True, True, False],    # two equal right answers: passes, majority right
                [False, False, False]]  # none right
     answers = [["5", "7", "7"], ["9", "9", "8"], ["1", "2", "3"]]
-    assert cli.pass_and_majority(correct, answers) == (2 / 3, 1 / 3)
+    assert pass_and_majority(correct, answers) == (2 / 3, 1 / 3)
+
+
+def test_every_command_answers_help_in_a_subprocess():
+    """The README's first command is `python -m rlbench.quickstart`: it and every `rlbench` subcommand start and
+    print their usage (the quickstart once failed at import, registering a model twice when run as __main__)."""
+    commands = {"quickstart": ["-m", "rlbench.quickstart", "--help"], "rlbench": ["-m", "rlbench.cli", "--help"]}
+    subcommands = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    commands |= {f"rlbench {name}": ["-m", "rlbench.cli", name, "--help"] for name in subcommands}
+    assert set(subcommands) == {"run", "reproduce", "eval", "sweep", "leaderboard", "bench"}
+    running = {name: subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True) for name, args in commands.items()}
+    for name, process in running.items():
+        stdout, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0 and stdout.startswith("usage: "), (name, stderr[-2000:])
+
+
+def test_the_quickstart_runs_as_a_module_with_overrides():
+    result = subprocess.run([sys.executable, "-m", "rlbench.quickstart", "--steps", "2", "--out", "curve",
+                             "--set", "prompts_per_step=4", "--set", "log_dir=none"], capture_output=True, text=True,
+                            timeout=300, env=os.environ | {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = last_json(result.stdout)
+    assert out["steps"] == 2 and out["accuracy_before"] == approx(0.315) and Path(out["reward_curve"]).is_file()
+    assert result.stdout.startswith("settings: model='tiny-arith',") and "prompts_per_step=4," in result.stdout
+    bad = subprocess.run([sys.executable, "-m", "rlbench.quickstart", "--set", "lrr=1"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "lrr: unknown key; accepted: model, task" in bad.stderr
 
 
 def test_leaderboard_writes_markdown_and_plot(tmp_path):

@@ -9,6 +9,7 @@ everything is loaded with `local_files_only=True`.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -25,24 +26,37 @@ from rlbench.models.checks import (check_fits, check_same_tokenizer, check_token
 from rlbench.models.tiny_arith import build_tiny_model
 from rlbench.models.tokenizer import build_tokenizer, readable_decode
 
-__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "check_fits", "check_same_tokenizer", "dropout_fields",
+__all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "builder", "check_fits", "check_same_tokenizer", "dropout_fields",
            "prompt_room", "from_pretrained", "load", "load_tokenizer", "names", "quiet_transformers", "readable_decode", "register",
            "resolve"]
 
-_BUILTINS: dict[str, Callable[[int], Path]] = {tiny_arith.NAME: tiny_arith.ensure_built,
-                                                tiny_arith.SMALL_NAME: tiny_arith.ensure_built_small,
-                                                tiny_mix.NAME: tiny_mix.ensure_built,
-                                                tiny_tools.NAME: tiny_tools.ensure_built}
-"""Built-in model name -> function of the seed returning its (cached, built on demand) directory."""
+_BUILTINS: dict[str, Callable[[int], Path] | str] = {tiny_arith.NAME: tiny_arith.ensure_built,
+                                                      tiny_arith.SMALL_NAME: tiny_arith.ensure_built_small,
+                                                      tiny_arith.GRPO_NAME: "rlbench.quickstart:teacher",
+                                                      tiny_mix.NAME: tiny_mix.ensure_built,
+                                                      tiny_tools.NAME: tiny_tools.ensure_built}
+"""Built-in model name -> function of the seed returning its (cached, built on demand) directory, or where that
+function lives (`"module:function"`) when an RL run of the layers above builds it (tiny-arith-grpo, the quickstart's
+trained model): that module is imported when the name is first resolved, so importing rlbench imports no top-floor
+module."""
 
 
-def register(name: str, build: Callable[[int], Path]) -> None:
-    """Add a built-in model: `build(seed)` returns its cached directory, building it first if missing. For models made
-    by the layers above this one (tiny-arith-grpo, the quickstart's RL-trained model: `rlbench.quickstart`). A name is
-    taken once (registering the same function again is a no-op)."""
-    if _BUILTINS.get(name, build) is not build:
+def register(name: str, build: Callable[[int], Path] | str) -> None:
+    """Add a built-in model: `build(seed)` returns its cached directory, building it first if missing; or
+    `build` names that function as `"module:function"`, imported when the name is first resolved. A name is taken
+    once (registering the same builder again is a no-op)."""
+    if _BUILTINS.get(name, build) != build:
         raise ValueError(f"built-in model {name!r} is already registered; pick another name")
     _BUILTINS[name] = build
+
+
+def builder(name: str) -> Callable[[int], Path]:
+    """The build function of the built-in model `name` (importing its module first if it is named by a string)."""
+    build = _BUILTINS[name]
+    if isinstance(build, str):
+        module, _, function = build.partition(":")
+        build = getattr(importlib.import_module(module), function)
+    return build
 
 
 def names() -> list[str]:
@@ -56,7 +70,7 @@ def resolve(model: str | os.PathLike, *, seed: int = 0) -> Path:
     `seed` selects the built-in's build (ignored for directories). Raises ValueError otherwise.
     """
     if isinstance(model, str) and model in _BUILTINS:
-        return _BUILTINS[model](seed)
+        return builder(model)(seed)
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path

@@ -24,6 +24,8 @@ from rlbench.models.warm_start import (build_cached, cache_root, greedy_completi
 NAME = "tiny-arith"
 SMALL_NAME = "tiny-arith-small"
 """The same recipe with one layer instead of two (0.69M parameters): the student of on-policy distillation."""
+GRPO_NAME = "tiny-arith-grpo"
+"""The quickstart's model after 300 GRPO steps (`rlbench.quickstart.teacher`), the distillation teacher."""
 VERSION = 1
 """Part of the cache directory's name: bump it whenever the recipe below changes."""
 
