@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from floats import approx, assert_close
 
 import rlbench as rl
 from agent_games import Sums, call, sums_model, sums_task
@@ -181,7 +182,7 @@ def test_an_episode_keeps_the_sampled_tokens_and_marks_what_made_each(chat_dir, 
     # every sampled token is the sampler's, with its log-prob (token i of a scripted turn: -(i+1)/100)
     turn0 = tokenizer.encode(call("calc", expression="12*45")) + [tokenizer.eos_token_id]
     assert sampled[sampled.turn == 0].token_id.tolist() == turn0
-    assert sampled[sampled.turn == 0].sampler_logp.tolist() == pytest.approx([-(i + 1) / 100 for i in range(len(turn0))])
+    assert sampled[sampled.turn == 0].sampler_logp.tolist() == approx([-(i + 1) / 100 for i in range(len(turn0))])
     assert "".join(table[table.kind == "tool"].text) == "540"
     assert "".join(table[table.kind == "template"].text) == "\n<|tool|>\n<|assistant|>"
     appended = len(tokenizer.encode("\n<|tool|>540\n<|assistant|>"))
@@ -360,7 +361,7 @@ def test_trainer_log_probs_of_sampled_tokens_equal_the_samplers_across_three_tur
     loss_mask = batch["loss_mask"].bool()
     assert (batch["turn"][loss_mask & three[:, None]].max()) == 2
     logp = sums_session.policy.log_probs(batch)
-    torch.testing.assert_close(logp[loss_mask], batch["sampler_logp"][loss_mask], atol=1e-5, rtol=0)
+    assert_close(logp[loss_mask], batch["sampler_logp"][loss_mask], atol=1e-5)  # 1e-5: a decode loop vs a forward
 
 
 def test_non_sampled_tokens_get_no_gradient(sums_session):
@@ -454,9 +455,9 @@ def test_dapo_overlong_shaping_measures_an_episodes_longest_turn(tiny_dir, tmp_p
     longest = [max(int(mask[b][turn[b] == t].sum()) for t in range(int(turn[b].max()) + 1)) for b in range(len(mask))]
     # DAPO's buffer: 0.2 of 6 tokens = 1.2; no penalty up to 4.8 tokens, -1 at 6
     expected = [min(-(n - 4.8) / 1.2, 0.0) for n in longest]
-    assert batch["overlong_penalty"].tolist() == pytest.approx(expected)
+    assert batch["overlong_penalty"].tolist() == approx(expected)
     assert batch["overlong_penalty"].min() >= -1.0
-    assert batch["reward"].tolist() == pytest.approx((batch["score"] + batch["overlong_penalty"]).tolist())
+    assert batch["reward"].tolist() == approx((batch["score"] + batch["overlong_penalty"]).tolist())
     s.close()
 
 

@@ -3,6 +3,7 @@ errors for empty inputs, closed sessions and checkpoints of another algorithm.""
 
 import pytest
 import torch
+from floats import approx
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import rlbench as rl
@@ -45,7 +46,7 @@ def test_restore_overrides_reach_the_optimizer_and_the_metrics(tmp_path):
         assert (group["lr"], group["weight_decay"], group["betas"]) == (1e-3, 0.01, (0.8, 0.99))
         assert s.step()["lr"] == 1e-3
     with rl.Session.restore(path, lr_schedule="linear", lr_decay_steps=2) as s:  # one step taken: halfway down
-        assert s.step()["lr"] == pytest.approx(0.5e-4)
+        assert s.step()["lr"] == approx(0.5e-4)
 
 
 def test_restoring_without_a_critic_into_ppo_names_the_critic(tmp_path):

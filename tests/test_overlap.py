@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from floats import approx
 
 import rlbench as rl
 from rlbench.policy import Policy
@@ -83,7 +84,7 @@ def test_with_rollout_correction_old_logp_is_the_policy_and_the_weights_carry_th
         batch = s.last_batch
     mask = batch["response_mask"].bool()
     # step 0 trains on the first weights' own samples; step 1 on samples of the weights before its update
-    assert first["correction/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert first["correction/weight_mean"] == approx(1.0, abs=1e-4)  # 1e-4: sampler and trainer differ by kernels
     assert (batch["old_logp"] - batch["sampler_logp"])[mask].abs().max() > 1e-2
     assert (batch["correction_weights"][mask] - 1).abs().max() > 1e-2 and second["correction/weight_mean"] != 1.0
 

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from floats import approx, assert_close
 
 import rlbench as rl
 from rlbench.policy import Policy, Reference, micro_batches
@@ -34,9 +35,8 @@ def test_gradient_does_not_depend_on_micro_batching(tiny_dir, rollout, mode, for
     # (seq-mean-token-sum's sum over a sequence) is also allowed float32's relative noise (1.2e-6 off 1.58 seen)
     scale = counts["num_tokens"] if mode == "token-sum" else 1
     for name, grad in gradients(policy).items():
-        torch.testing.assert_close(grad / scale, expected[name] / scale, atol=1e-6, rtol=1e-6,
-                                   msg=lambda message: f"{name}: {message}")
-    assert split["loss"] == pytest.approx(whole["loss"], abs=1e-6, rel=1e-6)  # token-sum: a sum of ~100 terms
+        assert_close(grad / scale, expected[name] / scale, msg=name)
+    assert split["loss"] == approx(whole["loss"])  # token-sum: a sum of ~100 terms
 
 
 def test_update_improves_the_surrogate_objective(tiny_dir, rollout):
@@ -77,4 +77,4 @@ def test_lr_schedules():
     linear = lr_lambda("linear", 0, 10)
     assert linear(0) == 1.0 and linear(5) == 0.5 and linear(10) == 0.0 and linear(20) == 0.0
     cosine = lr_lambda("cosine", 0, 10)
-    assert cosine(0) == 1.0 and cosine(5) == pytest.approx(0.5) and cosine(10) == pytest.approx(0.0)
+    assert cosine(0) == 1.0 and cosine(5) == approx(0.5) and cosine(10) == approx(0.0)

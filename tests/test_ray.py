@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from floats import assert_close, assert_same
 
 import rlbench as rl
 from rlbench.cluster import Ray, acquire_ray, release_ray
@@ -39,10 +40,10 @@ def test_two_ranks_match_inline_and_close_leaves_nothing(tiny_dir):
     weights = session.policy.workers.call("policy", rl.policy.Policy.state_dict)
     assert weights[1] is None  # the full weights are gathered on rank 0 only
     for column in ["loss", "pg_loss", "kl_loss", "reward_mean", "grad_norm", "entropy"]:
-        torch.testing.assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
-                                   atol=1e-4, rtol=0, msg=column)
+        assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
+                     atol=1e-4, msg=column)  # 1e-4: 2 ranks reduce in another order
     for name, value in expected_weights.items():
-        torch.testing.assert_close(weights[0][name], value, atol=1e-4, rtol=0, msg=name)
+        assert_close(weights[0][name], value, atol=1e-4, msg=name)  # 1e-4: 2 ranks reduce in another order
     assert metrics["sampler_mismatch_max"].max() < 1e-4 and metrics["time_sync"].gt(0).all()
 
     pids = [pid for group in session.workers.groups for pid in group.pids()]
@@ -76,8 +77,8 @@ def test_overlapped_rollouts_on_ray_match_inline(tiny_dir):
             runs.append(s.run(3, progress=False))
     inline, ray = runs
     for column in ["loss", "reward_mean", "grad_norm", "clip_frac", "tokens_generated"]:
-        torch.testing.assert_close(torch.tensor(ray[column].values), torch.tensor(inline[column].values),
-                                   atol=1e-4, rtol=0, msg=column)
+        assert_close(torch.tensor(ray[column].values), torch.tensor(inline[column].values),
+                     atol=1e-4, msg=column)  # 1e-4: 2 ranks reduce in another order
 
 
 @pytest.mark.parametrize("algorithm, placement", [("ppo", "separate"), ("ppo", "colocated"),
@@ -107,8 +108,8 @@ def test_a_teacher_on_two_ranks_matches_inline(tiny_dir, placement):
         assert ("teacher" in [g.name for g in s.workers.groups]) == (placement == "separate")
         metrics = s.run(2, progress=False)
     for column in ["teacher_kl", "forward_kl", "loss", "grad_norm"]:
-        torch.testing.assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
-                                   atol=1e-4, rtol=0, msg=column)
+        assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
+                     atol=1e-4, msg=column)  # 1e-4: 2 ranks reduce in another order
 
 
 def test_a_dead_worker_is_named(tiny_dir):
@@ -178,18 +179,18 @@ def test_a_killed_rank_is_restored_from_the_last_checkpoint_and_the_run_finishes
     assert killed and killed[0] not in s.policy.workers.pids()  # the workers were started afresh
     assert metrics["step"].tolist() == [0, 1, 2, 3]
     for column in ["loss", "reward_mean", "grad_norm", "entropy", "kl_loss"]:  # the restart changed nothing
-        torch.testing.assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
-                                   atol=1e-5, rtol=0, msg=column)
+        assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
+                     atol=1e-5, msg=column)  # 1e-5: a restart, the same 2 ranks
     weights = s.policy.state_dict()
     s.close()
     for name, value in expected_weights.items():
-        torch.testing.assert_close(weights[name], value, atol=1e-5, rtol=0, msg=name)
+        assert_close(weights[name], value, atol=1e-5, msg=name)  # 1e-5: a restart, the same 2 ranks
 
     # the two-rank checkpoint loads into one inline rank (torch.distributed.checkpoint reshards it)
     with rl.Session.restore(tmp_path, cluster="inline", world_size=1, threads=1) as inline:
         assert inline.step_count == 4
         for name, value in inline.policy.state_dict().items():
-            torch.testing.assert_close(value, weights[name], atol=0, rtol=0, msg=name)
+            assert_same(value, weights[name], msg=name)  # bit for bit: a checkpoint round trip, resharded
 
 
 def test_a_world_size_the_cluster_cannot_hold_is_named(tiny_dir):
@@ -262,10 +263,10 @@ def test_lora_with_activation_checkpointing_on_two_ranks_matches_inline(tiny_dir
         folder = s.save(tmp_path)
     assert adapter.keys() == expected_adapter.keys() and all("lora_" in name for name in adapter)
     for column in ["loss", "kl_loss", "reward_mean", "grad_norm"]:
-        torch.testing.assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
-                                   atol=1e-4, rtol=0, msg=column)
+        assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
+                     atol=1e-4, msg=column)  # 1e-4: 2 ranks reduce in another order
     for name, value in expected_adapter.items():
-        torch.testing.assert_close(adapter[name], value, atol=1e-4, rtol=0, msg=name)
+        assert_close(adapter[name], value, atol=1e-4, msg=name)  # 1e-4: 2 ranks reduce in another order
     assert metrics["sampler_mismatch_max"].max() < 1e-4
     with rl.Session.restore(folder, cluster="inline", world_size=1, threads=1) as restored:
         for name, value in restored.policy.state_dict().items():

@@ -1,6 +1,7 @@
 """rlbench.rewards graders: GSM8K, math-verify, DAPO, countdown, format and shaping, data-source dispatch."""
 
 import pytest
+from floats import approx
 
 from rlbench import rewards
 from rlbench.rewards import check_countdown
@@ -137,24 +138,24 @@ def test_format_reward():
 def test_weighted_sum_of_named_parts():
     reward = rewards.weighted(correct=(rewards.gsm8k_reward, 1.0),
                               fmt=(lambda c, e: rewards.format_reward(c, e, pattern=r".*####"), 0.1))
-    assert reward("#### 72", verl("72")) == pytest.approx({"correct": 1.0, "acc": 1.0, "fmt": 1.0, "score": 1.1})
+    assert reward("#### 72", verl("72")) == approx({"correct": 1.0, "acc": 1.0, "fmt": 1.0, "score": 1.1})
     assert reward("72", verl("72")) == {"correct": 0.0, "acc": 0.0, "fmt": 0.0, "score": 0.0}
 
 
 def test_length_penalty():
     reward = rewards.with_length_penalty(lambda c, e: 1.0, per_char=0.01, free_chars=10)
     assert reward("x" * 10, {}) == {"score": 1.0, "length_penalty": -0.0}
-    assert reward("x" * 30, {}) == pytest.approx({"score": 0.8, "length_penalty": -0.2})
+    assert reward("x" * 30, {}) == approx({"score": 0.8, "length_penalty": -0.2})
 
 
 def test_overlong_penalty_hook_matches_dapo():
     # max 20, buffer 10: no penalty up to 10, then linear to -1 at 20 (15 -> -0.5), beyond -> -1 * factor
     reward = rewards.with_overlong_penalty(lambda c, e: {"score": 1.0, "acc": 1.0}, max_len=20, buffer_len=10)
     assert reward("x" * 10, {})["score"] == 1.0
-    assert reward("x" * 15, {}) == pytest.approx({"score": 0.5, "acc": 1.0, "overlong_penalty": -0.5})
-    assert reward("x" * 20, {})["overlong_penalty"] == pytest.approx(-1.0)
+    assert reward("x" * 15, {}) == approx({"score": 0.5, "acc": 1.0, "overlong_penalty": -0.5})
+    assert reward("x" * 20, {})["overlong_penalty"] == approx(-1.0)
     by_words = rewards.with_overlong_penalty(lambda c, e: 0.0, max_len=4, buffer_len=2, length=lambda c: len(c.split()))
-    assert by_words("a b c", {})["score"] == pytest.approx(-0.5)
+    assert by_words("a b c", {})["score"] == approx(-0.5)
 
 
 # --- dispatch by data_source --------------------------------------------------------------------------------

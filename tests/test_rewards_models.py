@@ -6,6 +6,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from floats import approx
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 import rlbench as rl
@@ -40,27 +41,27 @@ def test_reward_model_scores_equal_unpadded_forwards(reward_model_dir):
     with torch.no_grad():
         for text, score in zip(texts, scores):
             ids = rm.tokenizer(text, return_tensors="pt", add_special_tokens=False)
-            assert score == pytest.approx(float(rm.model(**ids).logits[0, 0]), abs=1e-5)
+            assert score == approx(float(rm.model(**ids).logits[0, 0]), abs=1e-5)  # 1e-5: a padded batch
     assert scores[0] != scores[1]
 
 
 def test_reward_model_through_the_runner_and_with_a_chat_template(reward_model_dir):
     rm = RewardModel(reward_model_dir, batch_size=1)
     scores = score_all(rm, ["46", "4"], EXAMPLES, timeout_s=60)  # batched: one call
-    assert scores.error == [None, None] and scores.score == pytest.approx(rm(["46", "4"], EXAMPLES))
+    assert scores.error == [None, None] and scores.score == approx(rm(["46", "4"], EXAMPLES))
     rm.tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                                   "{% if add_generation_prompt %}<assistant>{% endif %}")
     templated = rm(["4"], EXAMPLES[1:])[0]
     text = "<system>Be brief.<user>2+2=<assistant>4"
     with torch.no_grad():
         direct = rm.model(**rm.tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0]
-    assert templated == pytest.approx(float(direct), abs=1e-5)
+    assert templated == approx(float(direct), abs=1e-5)  # 1e-5: the runner's batch vs one unpadded forward
 
 
 def test_long_texts_keep_their_end(reward_model_dir):
     rm = RewardModel(reward_model_dir, max_tokens=8)
     [short], [long] = rm(["46"], EXAMPLES[:1]), rm(["46"], [{"prompt": "x" * 50 + "12+34="}])
-    assert short == pytest.approx(long, abs=1e-5)  # both end in the same 8 tokens "12+34=46"
+    assert short == approx(long, abs=1e-5)  # both end in the same 8 tokens "12+34=46" (1e-5: other padding)
 
 
 # --- LLM judge --------------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def test_judge_with_a_local_sampler(tiny):
 @pytest.mark.parametrize(("reply", "score"), [("SCORE: 10", 1.0), ("score: 3\n", 0.3), ("SCORE: 2 ... SCORE: 8", 0.8),
                                               ("SCORE: 12", 1.0)])
 def test_parse_score(reply, score):
-    assert parse_score(reply) == pytest.approx(score)
+    assert parse_score(reply) == approx(score)
 
 
 def test_judge_needs_exactly_one_backend():

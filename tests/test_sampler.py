@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 import torch
+from floats import assert_close
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
 import rlbench as rl
@@ -42,7 +43,7 @@ def decodes_like_transformers(model, tokenizer) -> HFSampler:
     assert torch.equal(out["response_ids"], generate_reference(model, tokenizer, rows, 8)[:, : out["response_ids"].shape[1]])
     sampled = sampler.generate(rows, SamplingParams(n=3, max_new_tokens=8, seed=0))
     recomputed = batch_logp(model, with_prompts(sampled, rows, tokenizer, 3), temperature=1.0, micro_batch_tokens=64)
-    torch.testing.assert_close(sampled["sampler_logp"], recomputed, atol=1e-5, rtol=0)
+    assert_close(sampled["sampler_logp"], recomputed, atol=1e-5)  # 1e-5: a decode loop vs a forward
     return sampler
 
 
@@ -78,7 +79,7 @@ def test_logp_equals_policy_recomputation(tiny, params):
     batch = with_prompts(out, rows, tokenizer, params.n)
     recomputed = batch_logp(model, batch, temperature=params.temperature or 1.0, micro_batch_tokens=64)
     assert out["sampler_logp"].abs().sum() > 0
-    torch.testing.assert_close(out["sampler_logp"], recomputed, atol=1e-5, rtol=0)
+    assert_close(out["sampler_logp"], recomputed, atol=1e-5)  # 1e-5: a decode loop vs a forward
 
 
 def test_stop_mask_and_padding(tiny):
@@ -132,7 +133,7 @@ def test_keep_goes_on_with_the_kept_rows_copying_only_to_branch(tiny, rows):
     decoder.keep(torch.tensor(rows))
     alone.start(ids_N_P[rows], mask_N_P[rows], 4)
     alone.step(first_N[rows])
-    torch.testing.assert_close(decoder.step(second_c), alone.step(second_c), atol=1e-5, rtol=0)
+    assert_close(decoder.step(second_c), alone.step(second_c), atol=1e-5)  # 1e-5: another batch
     assert (decoder.cache_K.untyped_storage().data_ptr() != storage) == (len(set(rows)) < len(rows))
 
 
@@ -194,7 +195,7 @@ def test_sampling_draws_from_the_tempered_distribution():
     p_V = (logits_B_V[0] / 1.5).softmax(-1)
     freq_V = torch.bincount(token_B, minlength=5) / len(token_B)
     assert ((freq_V - p_V).abs() <= 4 * (p_V * (1 - p_V) / len(token_B)).sqrt() + 1e-6).all()
-    torch.testing.assert_close(logp_B, p_V.log()[token_B])
+    assert_close(logp_B, p_V.log()[token_B])
     top2_B, _ = sample_next(logits_B_V, SamplingParams(temperature=1.0, top_k=2), torch.rand(20000, generator=generator))
     assert set(top2_B.tolist()) == {0, 1}
 
@@ -252,7 +253,7 @@ def test_kept_cache_gives_what_a_full_prefill_gives(tiny, monkeypatch, n, temper
         fresh = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         expected = fresh.generate(rows, params)
         assert torch.equal(out["response_ids"], expected["response_ids"])
-        torch.testing.assert_close(out["sampler_logp"], expected["sampler_logp"], atol=1e-5, rtol=0)
+        assert_close(out["sampler_logp"], expected["sampler_logp"], atol=1e-5)  # 1e-5: a kept cache vs a prefill
         # computed: the columns of the new tokens (the stop token and the tail; the fresh prompt is shorter)
         assert widths[-1] == len(tail) + 1 < max(map(len, rows))
 
@@ -277,7 +278,7 @@ def test_load_weights_clears_the_kept_cache(tiny_dir, tiny):
     fresh.load_weights(new)
     expected = fresh.generate(rows, params)
     assert torch.equal(got["response_ids"], expected["response_ids"])
-    torch.testing.assert_close(got["sampler_logp"], expected["sampler_logp"], atol=1e-5, rtol=0)
+    assert_close(got["sampler_logp"], expected["sampler_logp"], atol=1e-5)  # 1e-5: another batch's forward
 
 
 def test_kept_cache_is_opt_in_and_bounded(tiny):

@@ -5,6 +5,7 @@ import shutil
 import pandas as pd
 import pytest
 import torch
+from floats import assert_close
 
 import rlbench as rl
 from rlbench.rewards import RewardError
@@ -40,7 +41,7 @@ def test_stages_one_by_one(session):
 
     batch = session.advantage(batch)
     mask = batch["response_mask"].float()
-    torch.testing.assert_close(batch["old_logp"], batch["sampler_logp"], atol=1e-5, rtol=0)
+    assert_close(batch["old_logp"], batch["sampler_logp"], atol=1e-5)  # 1e-5: a decode loop vs a forward
     adv_B = batch["advantages"].sum(-1) / mask.sum(-1)  # GRPO: one advantage per sample, on every token
     for g in range(4):  # zero mean within each group
         assert abs(float(adv_B[batch["group_ids"] == g].mean())) < 1e-5
@@ -77,12 +78,12 @@ def test_rollout_correction_rejected_tokens_get_no_advantage(tiny_dir):
         reward_B = (torch.arange(len(batch)) % 2).float()  # scores 0, 1, 0, 1 in every group of 4
         batch = s.advantage(batch.with_columns(sampler_logp=batch["sampler_logp"] + even_T, reward=reward_B))
     kept_B_T = batch["response_mask"].float() * (1 - even_T)
-    torch.testing.assert_close(batch["loss_mask"], kept_B_T)
+    assert_close(batch["loss_mask"], kept_B_T)
     assert batch.meta["correction/rejected_frac"] > 0.3
     assert (batch["advantages"] * (1 - kept_B_T)).abs().sum() == 0
     # GRPO: mean 0.5, unbiased std 0.57735 -> ±0.866025 on every kept token
     advantages = batch["advantages"][kept_B_T.bool()]
-    torch.testing.assert_close(advantages.abs(), torch.full_like(advantages, 0.866025), rtol=1e-5, atol=0)
+    assert_close(advantages.abs(), torch.full_like(advantages, 0.866025))
 
 
 def test_callbacks_stop_and_jsonl_log(tiny_dir, tmp_path):

@@ -1,8 +1,9 @@
-"""The zoo's session plumbing (ALGORITHMS.md §9): bypass mode runs no old-policy forward (the sampler's log-probs
+"""The zoo's session plumbing (docs/algorithms.md, bypass): bypass mode runs no old-policy forward (the sampler's log-probs
 are old_logp); OTB reads Σ_v π_v² from the old-policy forward."""
 
 import pytest
 import torch
+from floats import approx, assert_close
 
 import rlbench as rl
 
@@ -29,7 +30,7 @@ def test_bypass_runs_no_old_policy_forward(tiny_dir, monkeypatch, name):
     assert torch.equal(batch["old_logp"], batch["sampler_logp"]) and "correction_weights" not in batch
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in (first, second))
     if name == "grpo_bypass_pg":  # the loss computed the weights: sampler and trainer agree up to kernels
-        assert first["correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert first["correction/weight_mean"] == approx(1.0, abs=1e-3)
 
 
 def test_without_bypass_the_old_policy_forward_runs(tiny_dir, monkeypatch):
@@ -56,7 +57,7 @@ def test_otb_reads_sum_pi2_from_the_old_policy_forward(tiny_dir, monkeypatch):
     expected_B_T, _ = rl.algorithms.advantage_fn("otb")(
         rewards_B_T, batch["response_mask"].float(), group_ids=batch["group_ids"], old_logp_B_T=batch["old_logp"],
         sum_pi2_B_T=sum_pi2_B_T)
-    torch.testing.assert_close(batch["advantages"], expected_B_T)
+    assert_close(batch["advantages"], expected_B_T, atol=1e-5)  # 1e-5: torch's default this had (a slow test)
 
 
 def test_otb_and_on_policy_old_logp_exclude_each_other(tiny_dir):

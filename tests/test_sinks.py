@@ -3,6 +3,7 @@ import sys
 import types
 
 import pytest
+from floats import approx
 
 import rlbench as rl
 from rlbench.sinks import JsonlSink, TensorBoardSink, WandbSink, make_sinks, read_jsonl
@@ -51,7 +52,7 @@ def test_session_rows_reach_a_tensorboard_sink(tiny_dir, tmp_path):
     s.run(steps=2, progress=False)
     scalars = _scalars(tmp_path / "tb")
     assert set(scalars) == set(s.metrics.columns) - {"step"}
-    assert [v for _, v in scalars["reward_mean"]] == pytest.approx(s.metrics["reward_mean"].tolist())
+    assert [v for _, v in scalars["reward_mean"]] == approx(s.metrics["reward_mean"].tolist())
     assert [step for step, _ in scalars["time_update"]] == [0, 1]
 
 

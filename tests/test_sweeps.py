@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from floats import approx
 
 import rlbench as rl
 from rlbench import cli, recipes, stats, sweeps
@@ -62,11 +63,11 @@ def test_a_sweep_runs_every_run_as_a_ray_task_and_records_the_one_that_fails(fir
         assert list(curve["step"]) == [0, 2, 4]
         assert curve["tokens"].iloc[0] == 0 and curve["tokens"].is_monotonic_increasing
         assert curve["wall_s"].is_monotonic_increasing
-        assert curve["greedy_accuracy"].iloc[0] == pytest.approx(0.315)  # tiny-arith before training (greedy)
+        assert curve["greedy_accuracy"].iloc[0] == approx(0.315)  # tiny-arith before training (greedy)
         # each run's processes: its own metrics (4 steps) and reward over the steps since the last evaluation
         metrics = pd.read_json(out / curve["run_id"].iloc[0] / "metrics.jsonl", lines=True)
         assert list(metrics["step"]) == [0, 1, 2, 3]
-        assert curve["reward_mean"].iloc[2] == pytest.approx(metrics["reward_mean"][2:].mean())
+        assert curve["reward_mean"].iloc[2] == approx(metrics["reward_mean"][2:].mean())
         assert curve["tokens"].iloc[2] == metrics["tokens_generated"].sum()
     assert table.groupby("run_id")["greedy_accuracy"].last().nunique() == 2  # the seeds differ after training
 
@@ -103,7 +104,7 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(first, tmp_path):
     resumed = again.table.set_index(["run_id", "step"])
     original = before.table.set_index(["run_id", "step"])
     for column in ["tokens", "greedy_accuracy", "sampled_accuracy", "reward_mean"]:  # as if never stopped
-        assert resumed.loc[(finished, 4), column] == pytest.approx(original.loc[(finished, 4), column])
+        assert resumed.loc[(finished, 4), column] == approx(original.loc[(finished, 4), column])
 
 
 def test_bad_settings_name_the_key_and_what_it_accepts(tmp_path):
@@ -154,16 +155,16 @@ def test_a_leaderboard_task_runs_the_presets_that_can_train_on_it():
 # ------------------------------------------------------------------------------------------- statistics
 def test_bootstrap_intervals_enumerate_every_resample_of_few_seeds():
     # [0.2, 0.6]: resample means 0.2, 0.4, 0.4, 0.6 (1/4 each); the 2.5% quantile is 0.2, the 97.5% one 0.6
-    assert stats.mean_ci([0.2, 0.6]) == pytest.approx((0.4, 0.2, 0.6))
+    assert stats.mean_ci([0.2, 0.6]) == approx((0.4, 0.2, 0.6))
     # [0, 0, 1]: the count of 1s in a resample is Binomial(3, 1/3): means 0 (8/27), 1/3 (12/27), 2/3 (6/27), 1 (1/27);
     # P(mean <= 0) = 8/27 >= 0.025, P(mean <= 2/3) = 26/27 < 0.975: the interval is [0, 1]
-    assert stats.mean_ci([0.0, 0.0, 1.0]) == pytest.approx((1 / 3, 0.0, 1.0))
+    assert stats.mean_ci([0.0, 0.0, 1.0]) == approx((1 / 3, 0.0, 1.0))
     # at level 0.5: the 25% quantile is 0 (8/27 >= 1/4), the 75% one 2/3 (20/27 < 3/4 <= 26/27)
-    assert stats.mean_ci([0.0, 0.0, 1.0], level=0.5) == pytest.approx((1 / 3, 0.0, 2 / 3))
+    assert stats.mean_ci([0.0, 0.0, 1.0], level=0.5) == approx((1 / 3, 0.0, 2 / 3))
     # A = [0.6, 0.7], B = [0.1, 0.2]: 16 equally likely pairs of resample means; the smallest difference, 0.6 - 0.2,
     # has probability 1/16 >= 0.025 and the largest, 0.7 - 0.1, too: the interval [0.4, 0.6] excludes 0
-    assert stats.difference_ci([0.6, 0.7], [0.1, 0.2]) == pytest.approx((0.5, 0.4, 0.6))
-    assert stats.difference_ci([0.0, 1.0], [0.0, 0.0]) == pytest.approx((0.5, 0.0, 1.0))
+    assert stats.difference_ci([0.6, 0.7], [0.1, 0.2]) == approx((0.5, 0.4, 0.6))
+    assert stats.difference_ci([0.0, 1.0], [0.0, 0.0]) == approx((0.5, 0.0, 1.0))
 
 
 def test_monte_carlo_bootstrap_matches_the_enumeration_and_is_reproducible():
@@ -171,16 +172,16 @@ def test_monte_carlo_bootstrap_matches_the_enumeration_and_is_reproducible():
     every = np.array(values)[np.array(list(itertools.product(range(7), repeat=7)))].mean(1)
     exact = np.quantile(every, [0.025, 0.975], method="inverted_cdf")
     mean, lo, hi = stats.mean_ci(values)
-    assert mean == pytest.approx(np.mean(values)) and (lo, hi) == pytest.approx(tuple(exact), abs=0.003)
+    assert mean == approx(np.mean(values)) and (lo, hi) == approx(tuple(exact), abs=0.003)  # 10,000 draws
     assert stats.mean_ci(values) == (mean, lo, hi) and stats.mean_ci(values, seed=1) != (mean, lo, hi)
 
 
 def test_auc_and_value_at_a_token_budget_by_hand():
     # trapezoids over steps 0, 2, 4: 2 * (0.3 + 0.5) / 2 + 2 * (0.5 + 0.4) / 2 = 1.7, over a span of 4: 0.425
-    assert stats.auc([0, 2, 4], [0.3, 0.5, 0.4]) == pytest.approx(0.425)
-    assert stats.auc([0, 10], [0.5, 0.5]) == pytest.approx(0.5) and stats.auc([0], [0.7]) == 0.7
+    assert stats.auc([0, 2, 4], [0.3, 0.5, 0.4]) == approx(0.425)
+    assert stats.auc([0, 10], [0.5, 0.5]) == approx(0.5) and stats.auc([0], [0.7]) == 0.7
     # at 1500 tokens, halfway between (1000, 0.5) and (2000, 0.4); past the last point: NaN
-    assert stats.value_at([0, 1000, 2000], [0.3, 0.5, 0.4], 1500) == pytest.approx(0.45)
+    assert stats.value_at([0, 1000, 2000], [0.3, 0.5, 0.4], 1500) == approx(0.45)
     assert np.isnan(stats.value_at([0, 1000, 2000], [0.3, 0.5, 0.4], 2500))
 
 
@@ -201,15 +202,15 @@ def test_summaries_and_differences_of_a_hand_made_table():
     per_run = stats.run_summaries(curve_table()).set_index("run_id")
     # grpo-0: AUC (2 * 0.7 / 2 + 2 * 0.9 / 2) / 4 = 0.4; dapo-0: (0.9 + 1.4) / 4 = 0.575; budget: 2000 tokens, where
     # dapo-0's curve is at step 2 (0.6) and dapo-1's too (0.5)
-    assert per_run.loc["grpo-0", ["final", "auc", "at_budget"]].tolist() == pytest.approx([0.5, 0.4, 0.5])
-    assert per_run.loc["dapo-0", ["final", "auc", "at_budget"]].tolist() == pytest.approx([0.8, 0.575, 0.6])
+    assert per_run.loc["grpo-0", ["final", "auc", "at_budget"]].tolist() == approx([0.5, 0.4, 0.5])
+    assert per_run.loc["dapo-0", ["final", "auc", "at_budget"]].tolist() == approx([0.8, 0.575, 0.6])
     assert per_run["budget"].unique().tolist() == [2000]
     summary = stats.summarize(per_run, ["preset"]).set_index("preset")
-    assert summary.loc["dapo", ["final", "final_lo", "final_hi", "n"]].tolist() == pytest.approx([0.75, 0.7, 0.8, 2])
+    assert summary.loc["dapo", ["final", "final_lo", "final_hi", "n"]].tolist() == approx([0.75, 0.7, 0.8, 2])
     versus = stats.compare(per_run, ["preset"], {"preset": "grpo"}).set_index("preset")
     assert list(versus.index) == ["dapo"]
     # final: dapo {0.8, 0.7}, grpo {0.5, 0.3}: difference 0.35, pairs from 0.7 - 0.5 = 0.2 to 0.8 - 0.3 = 0.5
-    assert versus.loc["dapo", ["final_diff", "final_lo", "final_hi"]].tolist() == pytest.approx([0.35, 0.2, 0.5])
+    assert versus.loc["dapo", ["final_diff", "final_lo", "final_hi"]].tolist() == approx([0.35, 0.2, 0.5])
     assert versus.loc["dapo", "final_real"]
     # at 2000 tokens: dapo 0.6 and 0.5, grpo 0.5 and 0.3; the smallest difference, 0.5 - 0.5 = 0, is the interval's low
     # end: 0 is not outside it

@@ -6,6 +6,7 @@ import time
 import pandas as pd
 import pytest
 import torch
+from floats import approx
 from matplotlib.figure import Figure
 
 import rlbench as rl
@@ -81,7 +82,7 @@ def test_rollout_table_and_sample_plot(trained):
     length = int(table["length"][row])
     assert set(_lines(top)) == {"sampler_logp", "old_logp", "ref_logp"}
     assert all(len(line.get_xdata()) == length for line in _lines(top).values())
-    assert [patch.get_height() for patch in bottom.patches] == pytest.approx(
+    assert [patch.get_height() for patch in bottom.patches] == approx(
         batch["advantages"][row][:length].tolist())
     assert len(bottom.get_xticklabels()) == length
 

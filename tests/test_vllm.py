@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from floats import assert_close, assert_same
 
 import rlbench as rl
 from rollout_checks import assert_rollout_layout
@@ -56,7 +57,7 @@ def test_greedy_equals_the_hf_sampler(sampler, tiny):
     expected, out = hf.generate(rows, params), sampler.generate(rows, params)
     for column in ("response_ids", "response_mask", "finished"):
         assert torch.equal(out[column], expected[column]), column
-    torch.testing.assert_close(out["sampler_logp"], expected["sampler_logp"], atol=LOGP_ATOL, rtol=0)
+    assert_close(out["sampler_logp"], expected["sampler_logp"], atol=LOGP_ATOL)
 
 
 @pytest.mark.parametrize("params", [
@@ -73,7 +74,7 @@ def test_logp_equals_policy_recomputation(sampler, tiny, rows, params):
     batch = out.with_columns(prompt_ids=ids_B_P, prompt_mask=mask_B_P)
     recomputed = batch_logp(model, batch, temperature=params.temperature or 1.0, micro_batch_tokens=64)
     assert out["sampler_logp"].abs().sum() > 0
-    torch.testing.assert_close(out["sampler_logp"], recomputed, atol=LOGP_ATOL, rtol=0)
+    assert_close(out["sampler_logp"], recomputed, atol=LOGP_ATOL)
 
 
 def test_stop_mask_and_padding(sampler, tiny, rows):
@@ -160,7 +161,7 @@ def test_a_partial_rollout_takes_new_weights_between_chunks(sampler, tiny, rows,
     other.load_state_dict(new)
     new_logp = batch_logp(other, batch, temperature=2.0, micro_batch_tokens=4096)
     expected = torch.where(versions == 1, new_logp, old_logp)
-    torch.testing.assert_close(out["sampler_logp"][mask], expected[mask], atol=LOGP_ATOL, rtol=0)
+    assert_close(out["sampler_logp"][mask], expected[mask], atol=LOGP_ATOL)
 
 
 def test_weights_load_the_same_under_any_thread_count(sampler, tiny, rows):
@@ -252,7 +253,7 @@ def completions(out) -> list[list[int]]:
 def assert_same_rollouts(out, expected):
     for column in ("response_ids", "response_mask", "finished"):
         assert torch.equal(out[column], expected[column]), column
-    torch.testing.assert_close(out["sampler_logp"], expected["sampler_logp"], atol=LOGP_ATOL, rtol=0)
+    assert_close(out["sampler_logp"], expected["sampler_logp"], atol=LOGP_ATOL)
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +295,7 @@ def test_an_adapters_logp_equals_the_peft_policys(lora_sampler, tiny, rows):
     ids_B_P, mask_B_P = left_pad([r for r in rows for _ in range(params.n)], tokenizer.pad_token_id)
     batch = out.with_columns(prompt_ids=ids_B_P, prompt_mask=mask_B_P)
     recomputed = batch_logp(peft_model, batch, temperature=0.7, micro_batch_tokens=64)
-    torch.testing.assert_close(out["sampler_logp"], recomputed, atol=LOGP_ATOL, rtol=0)
+    assert_close(out["sampler_logp"], recomputed, atol=LOGP_ATOL)
 
 
 def test_a_new_adapter_replaces_the_old(lora_sampler, tiny, arithmetic_rows):
@@ -426,7 +427,7 @@ def test_agentic_greedy_episodes_are_the_hf_samplers(tiny_dir, tmp_path):
     for column in ("response_ids", "loss_mask", "turn", "turns"):
         assert torch.equal(vllm[column], hf[column]), column
     assert vllm["stop_reason"] == hf["stop_reason"]
-    torch.testing.assert_close(vllm["sampler_logp"], hf["sampler_logp"], atol=LOGP_ATOL, rtol=0)
+    assert_close(vllm["sampler_logp"], hf["sampler_logp"], atol=LOGP_ATOL)
 
 
 @pytest.mark.slow
@@ -442,7 +443,7 @@ def test_a_lora_session_syncs_only_the_adapter_into_vllm_and_stays_on_policy():
         batch = s.advantage(s.score(s.rollout()))
     assert held.keys() == adapter.keys()
     for name, value in adapter.items():
-        torch.testing.assert_close(held[name], value, atol=0, rtol=0, msg=name)
+        assert_same(held[name], value, msg=name)  # bit for bit: the sampler holds a copy of the adapter
     assert any(value.abs().max() > 0 for name, value in adapter.items() if "lora_B" in name)
     mask = batch["response_mask"].bool()
     assert (batch["sampler_logp"] - batch["old_logp"])[mask].abs().max() < LOGP_ATOL

@@ -1,9 +1,10 @@
-"""Advantage estimators on tiny hand-worked batches (ALGORITHMS.md §1)."""
+"""Advantage estimators on tiny hand-worked batches (docs/algorithms.md, advantage estimators)."""
 
 import math
 
 import pytest
 import torch
+from floats import assert_close
 
 from rlbench.algorithms import advantage_fn
 
@@ -29,14 +30,14 @@ def test_grpo():
     # group 7: mean 1, unbiased std sqrt((0 + 1 + 1)/2) = 1 -> (s - 1)/(1 + 1e-6) = [0, -1, 1]
     # group of one: mean 0, std 1 -> 5/(1 + 1e-6)
     adv_B_T, returns_B_T = advantage_fn("grpo")(REWARDS_B_T, MASK_B_T, group_ids=GROUPS_B)
-    torch.testing.assert_close(adv_B_T, per_token([0.0, -1.0, 1.0, 5.0]) / (1 + 1e-6))
-    torch.testing.assert_close(returns_B_T, adv_B_T)
+    assert_close(adv_B_T, per_token([0.0, -1.0, 1.0, 5.0]) / (1 + 1e-6))
+    assert_close(returns_B_T, adv_B_T)
     assert (adv_B_T[MASK_B_T == 0] == 0).all()
 
 
 def test_grpo_without_std_is_dr_grpo():
     adv_B_T, _ = advantage_fn("grpo")(REWARDS_B_T, MASK_B_T, group_ids=GROUPS_B, norm_by_std=False)
-    torch.testing.assert_close(adv_B_T, per_token([0.0, -1.0, 1.0, 5.0]))  # s - mean_g
+    assert_close(adv_B_T, per_token([0.0, -1.0, 1.0, 5.0]))  # s - mean_g
 
 
 def test_grpo_equal_scores_give_zero():
@@ -49,7 +50,7 @@ def test_rloo():
     # group 7: s_i - mean of the others: 1 - (0+2)/2 = 0, 0 - (1+2)/2 = -1.5, 2 - (1+0)/2 = 1.5
     # group of one: s_i = 5
     adv_B_T, _ = advantage_fn("rloo")(REWARDS_B_T, MASK_B_T, group_ids=GROUPS_B)
-    torch.testing.assert_close(adv_B_T, per_token([0.0, -1.5, 1.5, 5.0]))
+    assert_close(adv_B_T, per_token([0.0, -1.5, 1.5, 5.0]))
 
 
 def test_reinforce_plus_plus_baseline():
@@ -61,7 +62,7 @@ def test_reinforce_plus_plus_baseline():
     adv_B_T, _ = estimator(rewards_B_T, mask_B_T, group_ids=torch.tensor([0, 0, 1, 1]))
     std = math.sqrt(0.675)
     expected_B_T = torch.tensor([[0.75, 0.0], [-0.25, -0.25], [1.25, 0.0], [-0.75, -0.75]]) / std
-    torch.testing.assert_close(adv_B_T, expected_B_T)
+    assert_close(adv_B_T, expected_B_T)
 
 
 def test_reinforce_plus_plus_masked_token_carries_return():
@@ -71,8 +72,8 @@ def test_reinforce_plus_plus_masked_token_carries_return():
     rewards_B_T = torch.tensor([[0.0, 0.0, 2.0]])
     mask_B_T = torch.tensor([[1, 0, 1]])
     adv_B_T, returns_B_T = advantage_fn("reinforce_plus_plus")(rewards_B_T, mask_B_T, gamma=0.5)
-    torch.testing.assert_close(returns_B_T, torch.tensor([[1.0, 0.0, 2.0]]))
-    torch.testing.assert_close(adv_B_T, torch.tensor([[-1.0, 0.0, 1.0]]) / math.sqrt(2), atol=1e-6, rtol=0)
+    assert_close(returns_B_T, torch.tensor([[1.0, 0.0, 2.0]]))
+    assert_close(adv_B_T, torch.tensor([[-1.0, 0.0, 1.0]]) / math.sqrt(2))
 
 
 def test_remax():
@@ -81,8 +82,8 @@ def test_remax():
     mask_B_T = torch.tensor([[1, 1, 1], [1, 1, 0]])
     baselines_B = torch.tensor([0.5, 1.0])
     adv_B_T, returns_B_T = advantage_fn("remax")(rewards_B_T, mask_B_T, baselines_B=baselines_B)
-    torch.testing.assert_close(adv_B_T, torch.tensor([[0.5, 0.5, 0.5], [1.0, 1.0, 0.0]]))
-    torch.testing.assert_close(returns_B_T, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+    assert_close(adv_B_T, torch.tensor([[0.5, 0.5, 0.5], [1.0, 1.0, 0.0]]))
+    assert_close(returns_B_T, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
     with pytest.raises(ValueError, match="baselines_B"):
         advantage_fn("remax")(rewards_B_T, mask_B_T)
 
@@ -92,7 +93,7 @@ def test_gpg():
     # A = 4·[0.5, -0.5, 0, 0]
     rewards_B_T, mask_B_T = outcome([1.0, 0.0, 0.0, 0.0], [1, 1, 1, 1], T=1)
     adv_B_T, _ = advantage_fn("gpg")(rewards_B_T, mask_B_T, group_ids=torch.tensor([0, 0, 1, 1]))
-    torch.testing.assert_close(adv_B_T, torch.tensor([[2.0], [-2.0], [0.0], [0.0]]))
+    assert_close(adv_B_T, torch.tensor([[2.0], [-2.0], [0.0], [0.0]]))
 
 
 def test_opo_length_weighted_baseline():
@@ -100,7 +101,7 @@ def test_opo_length_weighted_baseline():
     # group 1 (one sample): baseline 0 -> A = 2
     rewards_B_T, mask_B_T = outcome([1.0, 0.0, 1.0, 2.0], [1, 3, 2, 2])
     adv_B_T, _ = advantage_fn("opo")(rewards_B_T, mask_B_T, group_ids=torch.tensor([0, 0, 0, 1]))
-    torch.testing.assert_close(adv_B_T, torch.tensor([0.5, -0.5, 0.5, 2.0]).unsqueeze(-1) * mask_B_T)
+    assert_close(adv_B_T, torch.tensor([0.5, -0.5, 0.5, 2.0]).unsqueeze(-1) * mask_B_T)
 
 
 def test_grpo_passk_rewards_only_the_best():
@@ -109,9 +110,9 @@ def test_grpo_passk_rewards_only_the_best():
     rewards_B_T, mask_B_T = outcome([3.0, 1.0, 2.0, 0.5, 0.5], [1] * 5, T=1)
     groups_B = torch.tensor([0, 0, 0, 1, 1])
     adv_B_T, _ = advantage_fn("grpo_passk")(rewards_B_T, mask_B_T, group_ids=groups_B)
-    torch.testing.assert_close(adv_B_T.squeeze(-1), torch.tensor([1 / (1 + 1e-6), 0, 0, 0, 0]))
+    assert_close(adv_B_T.squeeze(-1), torch.tensor([1 / (1 + 1e-6), 0, 0, 0, 0]))
     adv_B_T, _ = advantage_fn("grpo_passk")(rewards_B_T, mask_B_T, group_ids=groups_B, norm_by_std=False)
-    torch.testing.assert_close(adv_B_T.squeeze(-1), torch.tensor([1.0, 0, 0, 0, 0]))
+    assert_close(adv_B_T.squeeze(-1), torch.tensor([1.0, 0, 0, 0, 0]))
 
 
 def test_grpo_passk_rejects_group_of_one():
@@ -131,8 +132,8 @@ def test_gae_skips_masked_tokens():
     adv_B_T, returns_B_T = advantage_fn("gae")(
         rewards_B_T, mask_B_T, values_B_T=values_B_T, gamma=0.9, lam=0.5
     )
-    torch.testing.assert_close(returns_B_T, torch.tensor([[0.63, 0.0, 1.0]]))
-    torch.testing.assert_close(adv_B_T, torch.tensor([[-1.0, 0.0, 1.0]]) / math.sqrt(2), atol=1e-5, rtol=0)
+    assert_close(returns_B_T, torch.tensor([[0.63, 0.0, 1.0]]))
+    assert_close(adv_B_T, torch.tensor([[-1.0, 0.0, 1.0]]) / math.sqrt(2), atol=1e-5)  # 1e-5: whitening's 1e-8
     with pytest.raises(ValueError, match="values_B_T"):
         advantage_fn("gae")(rewards_B_T, mask_B_T)
 
@@ -148,7 +149,7 @@ def test_gdpo_normalises_each_component():
         reward_components_B_K=components_B_K, component_weights=[1.0, 0.5],
     )
     expected_B = torch.tensor([1.095445, -1.095445, 0.547723, -0.547723])
-    torch.testing.assert_close(adv_B_T.squeeze(-1), expected_B, atol=1e-5, rtol=0)
+    assert_close(adv_B_T.squeeze(-1), expected_B, atol=1e-5)  # 1e-5: ε (1e-6) in the stds, left out by hand
 
 
 def test_gdpo_without_components_is_whitened_grpo():
@@ -156,7 +157,7 @@ def test_gdpo_without_components_is_whitened_grpo():
     gdpo_B_T, _ = advantage_fn("gdpo")(REWARDS_B_T, MASK_B_T, group_ids=GROUPS_B)
     valid_B_T = MASK_B_T.bool()
     white = (grpo_B_T[valid_B_T] - grpo_B_T[valid_B_T].mean()) / grpo_B_T[valid_B_T].std()
-    torch.testing.assert_close(gdpo_B_T[valid_B_T], white, atol=1e-5, rtol=0)
+    assert_close(gdpo_B_T[valid_B_T], white, atol=1e-5)  # 1e-5: ε (1e-6) in GDPO's std, not in `white`
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "gpg", "opo", "reinforce_plus_plus_baseline"])
@@ -165,4 +166,4 @@ def test_group_ids_are_any_integers(name):
     fn = advantage_fn(name)
     adv_B_T, _ = fn(REWARDS_B_T, MASK_B_T, group_ids=GROUPS_B)
     relabelled_B_T, _ = fn(REWARDS_B_T, MASK_B_T, group_ids=torch.tensor([-3, -3, -3, 1000]))
-    torch.testing.assert_close(relabelled_B_T, adv_B_T)
+    assert_close(relabelled_B_T, adv_B_T)

@@ -1,10 +1,11 @@
-"""Bypass mode (ALGORITHMS.md §9, verl 0.9.1 docs/algo/rollout_corr.md): old_logp is the sampler's, and the
+"""Bypass mode (docs/algorithms.md; verl 0.9.1 docs/algo/rollout_corr.md): old_logp is the sampler's, and the
 correction runs in the loss on log ρ = sg(logp) - sampler_logp. Hand-worked values of both variants."""
 
 import math
 
 import pytest
 import torch
+from floats import approx, assert_close
 
 from rlbench.algorithms import Algorithm, Rejection, RolloutCorrection, describe, get
 
@@ -28,14 +29,14 @@ def test_ppo_clip_variant_clips_on_the_kept_tokens_without_is_weights():
     alg = Algorithm(name="t", advantage="grpo", loss="ppo_clip", bypass="ppo_clip", correction=correction)
     logp_B_T = logp()
     loss, metrics = alg.actor_loss(logp_B_T, SAMPLER_LOGP_B_T, ADV_B_T, MASK_B_T)
-    assert loss.item() == pytest.approx(-0.15, rel=1e-5)
+    assert loss.item() == approx(-0.15)
     loss.backward()
-    torch.testing.assert_close(logp_B_T.grad, torch.tensor([[0.0, 0.0, 0.45, 0.0]]))
-    assert metrics["correction/rejected_frac"].item() == pytest.approx(0.5)
-    assert metrics["clip_frac"].item() == pytest.approx(0.5)  # token 0 of the 2 kept
+    assert_close(logp_B_T.grad, torch.tensor([[0.0, 0.0, 0.45, 0.0]]))
+    assert metrics["correction/rejected_frac"].item() == approx(0.5)
+    assert metrics["clip_frac"].item() == approx(0.5)  # token 0 of the 2 kept
     # the caller's global count (4 tokens, rejected ones included) keeps the loss independent of the split
     loss, _ = alg.actor_loss(logp(), SAMPLER_LOGP_B_T, ADV_B_T, MASK_B_T, num_tokens=4)
-    assert loss.item() == pytest.approx(-0.075, rel=1e-5)
+    assert loss.item() == approx(-0.075)
 
 
 def test_ppo_clip_variant_without_a_correction_is_ppo_against_the_sampler():
@@ -44,8 +45,8 @@ def test_ppo_clip_variant_without_a_correction_is_ppo_against_the_sampler():
     logp_B_T = logp()
     loss, _ = alg.actor_loss(logp_B_T, SAMPLER_LOGP_B_T, ADV_B_T, MASK_B_T)
     # (-1.2 - 1.2 + 0.9 + 0.8) / 4: token 1 clipped at 1.2, token 3 (ρ 0.25, A -1): max(0.25, 0.8) = 0.8
-    assert loss.item() == pytest.approx((-1.2 - 1.2 + 0.9 + 0.8) / 4, rel=1e-5)
-    assert loss.item() == pytest.approx(plain.actor_loss(logp(), SAMPLER_LOGP_B_T, ADV_B_T, MASK_B_T)[0].item())
+    assert loss.item() == approx((-1.2 - 1.2 + 0.9 + 0.8) / 4)
+    assert loss.item() == approx(plain.actor_loss(logp(), SAMPLER_LOGP_B_T, ADV_B_T, MASK_B_T)[0].item())
 
 
 def test_reinforce_variant_is_the_policy_gradient_with_truncated_is_weights():
@@ -56,12 +57,12 @@ def test_reinforce_variant_is_the_policy_gradient_with_truncated_is_weights():
     logp_B_T = logp()
     loss, metrics = alg.actor_loss(logp_B_T, SAMPLER_LOGP_B_T, ADV_B_T, MASK_B_T)
     expected = -sum(a * min(r, 2.0) * math.log(0.25 * r) for a, r in zip([1, 1, -1, -1], RATIOS)) / 4
-    assert expected == pytest.approx(0.002743, abs=1e-6)
-    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert expected == approx(0.002743)
+    assert loss.item() == approx(expected)
     loss.backward()
-    torch.testing.assert_close(logp_B_T.grad, torch.tensor([[-0.375, -0.5, 0.225, 0.0625]]))
-    assert metrics["correction/weight_mean"].item() == pytest.approx((1.5 + 2 + 0.9 + 0.25) / 4)
-    assert metrics["correction/outside_frac"].item() == pytest.approx(0.25)  # ρ 3 truncated
+    assert_close(logp_B_T.grad, torch.tensor([[-0.375, -0.5, 0.225, 0.0625]]))
+    assert metrics["correction/weight_mean"].item() == approx((1.5 + 2 + 0.9 + 0.25) / 4)
+    assert metrics["correction/outside_frac"].item() == approx(0.25)  # ρ 3 truncated
 
 
 def test_bypass_declarations_are_checked():

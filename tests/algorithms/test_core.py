@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from floats import approx, assert_close
 
 from rlbench.algorithms import (
     REDUCTIONS,
@@ -26,8 +27,8 @@ M_B_T = torch.tensor([[1, 1, 0], [1, 0, 0]])  # lengths 2 and 1
 
 def test_masked_mean():
     # valid: 1, 2, 4 -> 7/3 ; per row: (1+2)/2 = 1.5 and 4/1 = 4
-    assert masked_mean(X_B_T, M_B_T).item() == pytest.approx(7 / 3)
-    torch.testing.assert_close(masked_mean(X_B_T, M_B_T, dim=-1), torch.tensor([1.5, 4.0]))
+    assert masked_mean(X_B_T, M_B_T).item() == approx(7 / 3)
+    assert_close(masked_mean(X_B_T, M_B_T, dim=-1), torch.tensor([1.5, 4.0]))
 
 
 def test_to_float_writes_a_float32_as_its_shortest_decimal():
@@ -41,7 +42,7 @@ def test_to_float_writes_a_float32_as_its_shortest_decimal():
 
 def test_masked_var_is_unbiased():
     # valid 1, 2, 4: mean 7/3, squared deviations 16/9 + 1/9 + 25/9 = 42/9, / (N-1 = 2) = 7/3
-    assert masked_var(X_B_T, M_B_T).item() == pytest.approx(7 / 3, rel=1e-6)
+    assert masked_var(X_B_T, M_B_T).item() == approx(7 / 3)
     with pytest.raises(ValueError, match="at least 2"):
         masked_var(X_B_T, torch.tensor([[1, 0, 0], [0, 0, 0]]))
 
@@ -49,7 +50,7 @@ def test_masked_var_is_unbiased():
 def test_masked_whiten():
     # (x - 7/3) / sqrt(7/3): 1 -> -0.872872, 2 -> -0.218218, 4 -> 1.091089 (masked entries are not zeroed)
     white_B_T = masked_whiten(X_B_T, M_B_T)
-    torch.testing.assert_close(white_B_T[M_B_T.bool()], torch.tensor([-0.872872, -0.218218, 1.091089]))
+    assert_close(white_B_T[M_B_T.bool()], torch.tensor([-0.872872, -0.218218, 1.091089]))
 
 
 @pytest.mark.parametrize(
@@ -63,13 +64,13 @@ def test_masked_whiten():
     ],
 )
 def test_aggregate_modes(mode, expected):
-    assert aggregate(X_B_T, M_B_T, mode).item() == pytest.approx(expected, rel=1e-6)
+    assert aggregate(X_B_T, M_B_T, mode).item() == approx(expected)
 
 
 def test_aggregate_global_counts_and_norm_length():
-    assert aggregate(X_B_T, M_B_T, "token-mean", num_tokens=10).item() == pytest.approx(0.7)  # 7 / 10
-    assert aggregate(X_B_T, M_B_T, "seq-mean-token-sum", num_seqs=4).item() == pytest.approx(1.75)  # 7 / 4
-    assert aggregate(X_B_T, M_B_T, "seq-mean-token-sum-norm", norm_length=7).item() == pytest.approx(0.5)  # 7/(2*7)
+    assert aggregate(X_B_T, M_B_T, "token-mean", num_tokens=10).item() == approx(0.7)  # 7 / 10
+    assert aggregate(X_B_T, M_B_T, "seq-mean-token-sum", num_seqs=4).item() == approx(1.75)  # 7 / 4
+    assert aggregate(X_B_T, M_B_T, "seq-mean-token-sum-norm", norm_length=7).item() == approx(0.5)  # 7/(2*7)
     assert aggregate(X_B_T, torch.zeros_like(M_B_T), "token-mean").item() == 0.0  # empty: 0, not NaN
 
 
@@ -111,8 +112,8 @@ def test_micro_batch_gradients_sum_to_mini_batch_gradient(mode, splits):
         start += size
     total.backward()
 
-    assert total.item() == pytest.approx(aggregate(loss_B_T, mask_B_T, mode, **counts).item(), abs=1e-6)
-    torch.testing.assert_close(parts_B_T.grad, whole_B_T.grad, atol=1e-6, rtol=0)
+    assert total.item() == approx(aggregate(loss_B_T, mask_B_T, mode, **counts).item())
+    assert_close(parts_B_T.grad, whole_B_T.grad)
 
 
 LOGP_T = torch.tensor([0.0, -1.0])
@@ -130,7 +131,7 @@ REF_T = torch.tensor([-1.0, 0.0])  # k = logp - ref = [1, -1]
     ],
 )
 def test_kl_estimators(kind, expected):
-    torch.testing.assert_close(kl(LOGP_T, REF_T, kind), torch.tensor(expected))
+    assert_close(kl(LOGP_T, REF_T, kind), torch.tensor(expected))
 
 
 def test_k3_is_clamped():
@@ -143,16 +144,16 @@ def test_straight_through_kl_has_base_value_and_k2_gradient(base):
     logp_T = LOGP_T.clone().requires_grad_()
     value_T = kl(logp_T, REF_T, base + "+")
     value_T.sum().backward()
-    torch.testing.assert_close(value_T.detach(), kl(LOGP_T, REF_T, base))
+    assert_close(value_T.detach(), kl(LOGP_T, REF_T, base))
     # d(½k²)/dlogp = k = [1, -1]
-    torch.testing.assert_close(logp_T.grad, torch.tensor([1.0, -1.0]))
+    assert_close(logp_T.grad, torch.tensor([1.0, -1.0]))
 
 
 def test_k3_gradient_differs_from_k2():
     # d/dlogp (e^κ - κ - 1), κ = ref - logp: -(e^κ - 1) = [1 - e^-1, 1 - e]: why "k3+" exists
     logp_T = LOGP_T.clone().requires_grad_()
     kl(logp_T, REF_T, "k3").sum().backward()
-    torch.testing.assert_close(logp_T.grad, torch.tensor([1 - math.exp(-1), 1 - math.e]))
+    assert_close(logp_T.grad, torch.tensor([1 - math.exp(-1), 1 - math.e]))
 
 
 def test_kl_unknown_kind_lists_valid():
@@ -163,7 +164,7 @@ def test_kl_unknown_kind_lists_valid():
 def test_entropy_from_logits():
     # [0, 0]: ln 2 ; [0, ln 3]: p = [1/4, 3/4], H = ln 4 - 3/4·ln 3 = 0.562335
     logits_B_T_V = torch.tensor([[[0.0, 0.0], [0.0, math.log(3)]]])
-    torch.testing.assert_close(entropy_from_logits(logits_B_T_V), torch.tensor([[math.log(2), 0.562335]]))
+    assert_close(entropy_from_logits(logits_B_T_V), torch.tensor([[math.log(2), 0.562335]]))
 
 
 def test_value_loss_clips_around_old_values():
@@ -175,11 +176,11 @@ def test_value_loss_clips_around_old_values():
     # token 0: max((1-0)², (0.5-0)²) = 1 ; token 1: max((1-2)², (0.5-2)²) = 2.25 (clipped term larger)
     # loss = ½ · (1 + 2.25) / 2 = 0.8125 ; vf_clip_frac = 1/2
     loss, metrics = value_loss(values_B_T, old_values_B_T, returns_B_T, mask_B_T)
-    assert loss.item() == pytest.approx(0.8125)
-    assert metrics["vf_clip_frac"].item() == pytest.approx(0.5)
+    assert loss.item() == approx(0.8125)
+    assert metrics["vf_clip_frac"].item() == approx(0.5)
     # seq-mean-token-sum: ½ · (1 + 2.25) / 1 sequence
     loss, _ = value_loss(values_B_T, old_values_B_T, returns_B_T, mask_B_T, mode="seq-mean-token-sum")
-    assert loss.item() == pytest.approx(1.625)
+    assert loss.item() == approx(1.625)
 
 
 def test_kl_in_reward():
@@ -188,15 +189,15 @@ def test_kl_in_reward():
         torch.tensor([[0.0, 1.0]]), torch.tensor([[-1.0, -1.0]]), torch.tensor([[-2.0, -1.0]]),
         torch.tensor([[1, 1]]), coef=0.1, kind="k1",
     )
-    torch.testing.assert_close(rewards_B_T, torch.tensor([[-0.1, 1.0]]))
-    assert batch_kl.item() == pytest.approx(0.5)
+    assert_close(rewards_B_T, torch.tensor([[-0.1, 1.0]]))
+    assert batch_kl.item() == approx(0.5)
 
 
 def test_adaptive_kl():
     controller = AdaptiveKL(coef=0.1, target=0.1, horizon=10000)
     # KL 0.2: error clip(2 - 1, ±0.2) = 0.2 -> β = 0.1·(1 + 0.2·100/10000) = 0.1002
-    assert controller.update(0.2, n_steps=100) == pytest.approx(0.1002)
+    assert controller.update(0.2, n_steps=100) == approx(0.1002)
     # KL 0.09: error -0.1 -> β·(1 - 0.1·1000/10000) = 0.1002·0.99
-    assert controller.update(0.09, n_steps=1000) == pytest.approx(0.1002 * 0.99)
+    assert controller.update(0.09, n_steps=1000) == approx(0.1002 * 0.99)
     fixed = AdaptiveKL(coef=0.05, target=None)
     assert fixed.update(5.0, n_steps=1000) == 0.05

@@ -1,4 +1,4 @@
-"""Rollout correction: TIS, IcePop/MIS masking, rejection, sequence levels, mismatch metrics (ALGORITHMS.md §6);
+"""Rollout correction: TIS, IcePop/MIS masking, rejection, sequence levels, mismatch metrics (docs/algorithms.md, rollout corrections);
 batch normalisation, rejection statistics and the named corrections (§9)."""
 
 import dataclasses
@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from floats import approx, assert_close
 
 from rlbench.algorithms import Rejection, RolloutCorrection, describe, get, get_correction, mismatch_metrics, names
 
@@ -23,41 +24,41 @@ def correct(**settings):
 def test_token_tis_truncates_at_high():
     # min(ρ, 2) = [2, 0.5, 1.2] ; 1 of 5 valid tokens truncated ; masked tokens weigh 0
     weights_B_T, mask_B_T, metrics = correct(level="token", mode="tis", high=2.0)
-    torch.testing.assert_close(weights_B_T, torch.tensor([[2.0, 0.5, 1.2, 0.0], [1.0, 1.0, 0.0, 0.0]]))
+    assert_close(weights_B_T, torch.tensor([[2.0, 0.5, 1.2, 0.0], [1.0, 1.0, 0.0, 0.0]]))
     assert mask_B_T is MASK_B_T
-    assert metrics["correction/outside_frac"].item() == pytest.approx(0.2)
+    assert metrics["correction/outside_frac"].item() == approx(0.2)
 
 
 def test_token_mask_zeroes_weights_outside_the_band():
     # IcePop / MIS: band [1/2, 2] (low defaults to 1/high): ρ = 3 -> 0 ; 0.5 and 1.2 kept ; the mask is unchanged
     weights_B_T, mask_B_T, _ = correct(level="token", mode="mask", high=2.0)
-    torch.testing.assert_close(weights_B_T, torch.tensor([[0.0, 0.5, 1.2, 0.0], [1.0, 1.0, 0.0, 0.0]]))
+    assert_close(weights_B_T, torch.tensor([[0.0, 0.5, 1.2, 0.0], [1.0, 1.0, 0.0, 0.0]]))
     assert mask_B_T is MASK_B_T
 
 
 def test_token_reject_drops_tokens_from_the_mask():
     # band [0.6, 2]: ρ = 3 and ρ = 0.5 leave it -> mask 0 ; kept tokens weigh 1
     weights_B_T, mask_B_T, metrics = correct(level="token", mode="reject", low=0.6, high=2.0)
-    torch.testing.assert_close(mask_B_T, torch.tensor([[0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]))
-    torch.testing.assert_close(weights_B_T, mask_B_T)
-    assert metrics["correction/outside_frac"].item() == pytest.approx(0.4)  # 2 of 5 valid tokens
+    assert_close(mask_B_T, torch.tensor([[0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]))
+    assert_close(weights_B_T, mask_B_T)
+    assert metrics["correction/outside_frac"].item() == approx(0.4)  # 2 of 5 valid tokens
 
 
 def test_sequence_level():
     # row 0: Σ log ρ over valid tokens = ln(3·0.5·1.2) = ln 1.8 -> weight 1.8 on every valid token ; row 1: 1
     weights_B_T, _, _ = correct(level="sequence", mode="tis", high=2.0)
-    torch.testing.assert_close(weights_B_T, torch.tensor([[1.8, 1.8, 1.8, 0.0], [1.0, 1.0, 0.0, 0.0]]))
+    assert_close(weights_B_T, torch.tensor([[1.8, 1.8, 1.8, 0.0], [1.0, 1.0, 0.0, 0.0]]))
     weights_B_T, _, _ = correct(level="sequence", mode="tis", high=1.5)  # TIS: min(1.8, 1.5)
-    torch.testing.assert_close(weights_B_T, torch.tensor([[1.5, 1.5, 1.5, 0.0], [1.0, 1.0, 0.0, 0.0]]))
+    assert_close(weights_B_T, torch.tensor([[1.5, 1.5, 1.5, 0.0], [1.0, 1.0, 0.0, 0.0]]))
     # rejection with band [1/1.5, 1.5] drops the whole of row 0
     _, mask_B_T, _ = correct(level="sequence", mode="reject", high=1.5)
-    torch.testing.assert_close(mask_B_T, torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]))
+    assert_close(mask_B_T, torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]))
 
 
 def test_geometric_level():
     # row 0: exp(mean log ρ) = 1.8^(1/3) = 1.216440
     weights_B_T, _, _ = correct(level="geometric", mode="tis", high=2.0)
-    assert weights_B_T[0, 0].item() == pytest.approx(1.8 ** (1 / 3), rel=1e-6)
+    assert weights_B_T[0, 0].item() == approx(1.8 ** (1 / 3))
 
 
 def test_weights_are_detached():
@@ -70,13 +71,13 @@ def test_mismatch_metrics():
     # valid log ρ: ln 3, ln 0.5, ln 1.2, 0, 0
     metrics = mismatch_metrics(OLD_LOGP_B_T, SAMPLER_LOGP_B_T, MASK_B_T)
     log_rho = [math.log(3), math.log(0.5), math.log(1.2), 0.0, 0.0]
-    assert metrics["sampler_mismatch_mean"].item() == pytest.approx(sum(map(abs, log_rho)) / 5, rel=1e-5)
-    assert metrics["sampler_mismatch_max"].item() == pytest.approx(math.log(3), rel=1e-5)
-    assert metrics["sampler_kl"].item() == pytest.approx(-sum(log_rho) / 5, rel=1e-5)  # k1 of KL(sampler‖trainer)
+    assert metrics["sampler_mismatch_mean"].item() == approx(sum(map(abs, log_rho)) / 5)
+    assert metrics["sampler_mismatch_max"].item() == approx(math.log(3))
+    assert metrics["sampler_kl"].item() == approx(-sum(log_rho) / 5)  # k1 of KL(sampler‖trainer)
     k3 = sum(math.exp(x) - x - 1 for x in log_rho) / 5  # ρ - 1 - log ρ
-    assert metrics["sampler_kl_k3"].item() == pytest.approx(k3, rel=1e-5)
-    assert metrics["sampler_ratio_max"].item() == pytest.approx(3.0, rel=1e-5)  # the masked 100 is ignored
-    assert metrics["sampler_ratio_min"].item() == pytest.approx(0.5, rel=1e-5)
+    assert metrics["sampler_kl_k3"].item() == approx(k3)
+    assert metrics["sampler_ratio_max"].item() == approx(3.0)  # the masked 100 is ignored
+    assert metrics["sampler_ratio_min"].item() == approx(0.5)
 
 
 @pytest.mark.parametrize(
@@ -100,21 +101,21 @@ def test_token_normalize_divides_by_the_masked_token_mean():
     # TIS weights [2, 0.5, 1.2 | 1, 1]: mean over the 5 valid tokens = 5.7 / 5 = 1.14
     weights_B_T, _, metrics = correct(level="token", mode="tis", high=2.0, normalize=True)
     expected = torch.tensor([[2.0, 0.5, 1.2, 0.0], [1.0, 1.0, 0.0, 0.0]]) / 1.14
-    torch.testing.assert_close(weights_B_T, expected)
-    assert metrics["correction/weight_mean"].item() == pytest.approx(1.0, rel=1e-6)
+    assert_close(weights_B_T, expected)
+    assert metrics["correction/weight_mean"].item() == approx(1.0)
     # IcePop band [1/2, 2]: [0, 0.5, 1.2 | 1, 1], mean 3.7 / 5 = 0.74 (the zeroed token counts)
     weights_B_T, _, _ = correct(level="token", mode="mask", high=2.0, normalize=True)
-    torch.testing.assert_close(weights_B_T, torch.tensor([[0.0, 0.5, 1.2, 0.0], [1.0, 1.0, 0.0, 0.0]]) / 0.74)
+    assert_close(weights_B_T, torch.tensor([[0.0, 0.5, 1.2, 0.0], [1.0, 1.0, 0.0, 0.0]]) / 0.74)
 
 
 def test_sequence_normalize_divides_by_the_mean_of_the_sequence_weights():
     # sequence weights 1.8 (row 0, 3 tokens) and 1 (row 1, 2 tokens): mean of the two = 1.4, not the token
     # mean (3·1.8 + 2·1) / 5 = 1.48 -> 1.8 / 1.4 = 1.285714, 1 / 1.4 = 0.714286
     weights_B_T, _, _ = correct(level="sequence", mode="tis", high=2.0, normalize=True)
-    torch.testing.assert_close(weights_B_T, torch.tensor([[1.8, 1.8, 1.8, 0.0], [1.0, 1.0, 0.0, 0.0]]) / 1.4)
+    assert_close(weights_B_T, torch.tensor([[1.8, 1.8, 1.8, 0.0], [1.0, 1.0, 0.0, 0.0]]) / 1.4)
     # geometric: 1.8^(1/3) = 1.216440 and 1: mean 1.108220 -> 1.097652, 0.902348
     weights_B_T, _, _ = correct(level="geometric", mode="tis", high=2.0, normalize=True)
-    torch.testing.assert_close(weights_B_T[:, 0], torch.tensor([1.097652, 0.902348]))
+    assert_close(weights_B_T[:, 0], torch.tensor([1.097652, 0.902348]))
 
 
 # ---- rejection statistics (verl's rollout_rs), on a fixture with simple log ρ
@@ -161,25 +162,25 @@ def reject(*rules, **settings):
 def test_rejection_statistic(rule, keep):
     weights_B_T, mask_B_T, metrics = reject(rule)
     expected_B_T = RULE_MASK_B_T * torch.tensor(keep)
-    torch.testing.assert_close(mask_B_T, expected_B_T.float())
-    torch.testing.assert_close(weights_B_T, expected_B_T.float())  # no IS weights: 1 on kept tokens
+    assert_close(mask_B_T, expected_B_T.float())
+    assert_close(weights_B_T, expected_B_T.float())  # no IS weights: 1 on kept tokens
     dropped = int(RULE_MASK_B_T.sum() - expected_B_T.sum())
-    assert metrics["correction/rejected_frac"].item() == pytest.approx(dropped / 9)  # 9 valid tokens
+    assert metrics["correction/rejected_frac"].item() == approx(dropped / 9)  # 9 valid tokens
     assert metrics["correction/outside_frac"].item() == 0.0
 
 
 def test_rules_and_together():
     # k1 sum band [log 1/3, log 3] drops row 2 ; k2 <= 0.1 per token drops row 0's first two tokens
     _, mask_B_T, metrics = reject(Rejection("k1", "seq_sum", high=3.0), Rejection("k2", "token", high=0.1))
-    torch.testing.assert_close(mask_B_T, torch.tensor([[0.0, 0, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]))
-    assert metrics["correction/rejected_frac"].item() == pytest.approx(6 / 9)
+    assert_close(mask_B_T, torch.tensor([[0.0, 0, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]))
+    assert metrics["correction/rejected_frac"].item() == approx(6 / 9)
     # with the "reject" mode's token ratio band [1/2, 2] too: row 0's third token (ρ = e^0.2 = 1.22) is inside,
     # row 1 (ρ = e^±0.1) inside: the same mask
     _, banded_B_T, _ = reject(Rejection("k1", "seq_sum", high=3.0), Rejection("k2", "token", high=0.1), mode="reject")
-    torch.testing.assert_close(banded_B_T, mask_B_T)
+    assert_close(banded_B_T, mask_B_T)
     # the sum rule with the band [0.95, 2] alone: ρ = e^-1 = 0.368 (row 0) and e^-0.1 = 0.905 (row 1) leave it
     _, banded_B_T, _ = reject(Rejection("k1", "seq_sum", high=3.0), mode="reject", low=0.95, high=2.0)
-    torch.testing.assert_close(banded_B_T, torch.tensor([[1.0, 0, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]]))
+    assert_close(banded_B_T, torch.tensor([[1.0, 0, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]]))
 
 
 def test_rules_combine_with_is_weights_and_normalize():
@@ -189,8 +190,8 @@ def test_rules_combine_with_is_weights_and_normalize():
     weights_B_T, mask_B_T, _ = reject(Rejection("k2", "token", high=0.1), mode="tis", normalize=True)
     rho_B_T = RULE_LOG_RHO_B_T.exp() * RULE_MASK_B_T
     mean = rho_B_T.sum() / 9  # (1.648721 + 0.367879 + 1.221403 + 1.105171 + 0.904837 + 4·0.740818) / 9 = 0.912365
-    assert mean.item() == pytest.approx(0.912365, rel=1e-5)
-    torch.testing.assert_close(weights_B_T, rho_B_T / mean * mask_B_T)
+    assert mean.item() == approx(0.912365)
+    assert_close(weights_B_T, rho_B_T / mean * mask_B_T)
     assert mask_B_T[0].tolist() == [0, 0, 1, 0]
 
 
@@ -198,17 +199,17 @@ def test_mis():
     # sequence log ρ = -0.3 / 0 / -1.2 -> w = min(Π ρ, 2) = 0.740818 / 1 / 0.301194 ; k1 sums 0.3 / 0 / 1.2
     # against the band [log 0.5, log 2] = [-0.693, 0.693]: row 2 is dropped
     weights_B_T, mask_B_T, metrics = get_correction("mis")(RULE_OLD_LOGP_B_T, RULE_SAMPLER_LOGP_B_T, RULE_MASK_B_T)
-    torch.testing.assert_close(mask_B_T, torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]))
+    assert_close(mask_B_T, torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]))
     expected = torch.tensor([[0.740818] * 3 + [0], [1, 1, 0, 0], [0] * 4])
-    torch.testing.assert_close(weights_B_T, expected, rtol=1e-5, atol=1e-6)
-    assert metrics["correction/rejected_frac"].item() == pytest.approx(4 / 9)
+    assert_close(weights_B_T, expected)
+    assert metrics["correction/rejected_frac"].item() == approx(4 / 9)
 
 
 def test_geo_reject():
     # k1 means 0.1 / 0 / 0.3 against [log 0.999, log 1.001] = [-0.0010005, 0.0009995]: only row 1 stays
     weights_B_T, mask_B_T, _ = get_correction("geo_reject")(RULE_OLD_LOGP_B_T, RULE_SAMPLER_LOGP_B_T, RULE_MASK_B_T)
-    torch.testing.assert_close(mask_B_T, torch.tensor([[0.0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]))
-    torch.testing.assert_close(weights_B_T, mask_B_T)
+    assert_close(mask_B_T, torch.tensor([[0.0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]))
+    assert_close(weights_B_T, mask_B_T)
 
 
 @pytest.mark.parametrize(

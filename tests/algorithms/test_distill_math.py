@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from floats import approx, assert_close
 
 from rlbench.algorithms import (Algorithm, advantage_fn, describe, forward_kl_topk, get, names, reverse_kl_advantages,
                                 teacher_topk)
@@ -17,12 +18,12 @@ def test_reverse_kl_advantage_k1_and_k3():
     # k1 = logπ_s - logπ_t: [log 2, 0];   A = -k1, 0 on the masked token
     adv_B_T, returns_B_T = advantage_fn("reverse_kl")(torch.zeros(1, 3), MASK_B_T, old_logp_B_T=OLD_B_T,
                                                       teacher_logp_B_T=TEACHER_B_T)
-    torch.testing.assert_close(adv_B_T, torch.tensor([[-math.log(2), 0.0, 0.0]]))
-    torch.testing.assert_close(returns_B_T, adv_B_T)
+    assert_close(adv_B_T, torch.tensor([[-math.log(2), 0.0, 0.0]]))
+    assert_close(returns_B_T, adv_B_T)
     # k3 with κ = logπ_t - logπ_s = -log 2: e^κ - κ - 1 = 1/2 + log 2 - 1
     adv_B_T, _ = advantage_fn("reverse_kl")(torch.zeros(1, 3), MASK_B_T, old_logp_B_T=OLD_B_T,
                                             teacher_logp_B_T=TEACHER_B_T, estimator="k3")
-    torch.testing.assert_close(adv_B_T, torch.tensor([[-(math.log(2) - 0.5), 0.0, 0.0]]))
+    assert_close(adv_B_T, torch.tensor([[-(math.log(2) - 0.5), 0.0, 0.0]]))
 
 
 def test_reverse_kl_ignores_the_reward_and_names_what_it_needs():
@@ -45,8 +46,8 @@ def test_distill_coef_adds_the_reverse_kl_to_any_estimator():
     plain, _ = get("grpo").estimate(rewards_B_T, mask_B_T, **data)
     mixed, _ = get("grpo").replace(distill_coef=0.5).estimate(rewards_B_T, mask_B_T, **data)
     a = 1 / math.sqrt(2)
-    torch.testing.assert_close(plain, torch.tensor([[a, a], [-a, 0.0]]))
-    torch.testing.assert_close(mixed, torch.tensor([[a - 0.5 * math.log(2), a], [-a + 0.5 * math.log(2), 0.0]]))
+    assert_close(plain, torch.tensor([[a, a], [-a, 0.0]]))
+    assert_close(mixed, torch.tensor([[a - 0.5 * math.log(2), a], [-a + 0.5 * math.log(2), 0.0]]))
     with pytest.raises(ValueError, match="distill_coef > 0: it needs teacher_logp_B_T"):
         get("grpo_opd").estimate(rewards_B_T, mask_B_T, group_ids=data["group_ids"], old_logp_B_T=old_B_T)
 
@@ -56,9 +57,9 @@ def test_forward_kl_topk_hand_worked():
     teacher = torch.tensor([[[0.5, 0.25]]]).log()
     student = torch.tensor([[[0.25, 0.25]]]).log()
     divergence, teacher_mass, student_mass = forward_kl_topk(student, teacher)
-    torch.testing.assert_close(divergence, torch.tensor([[0.5 * math.log(2)]]))
-    torch.testing.assert_close(teacher_mass, torch.tensor([[0.75]]))
-    torch.testing.assert_close(student_mass, torch.tensor([[0.5]]))
+    assert_close(divergence, torch.tensor([[0.5 * math.log(2)]]))
+    assert_close(teacher_mass, torch.tensor([[0.75]]))
+    assert_close(student_mass, torch.tensor([[0.5]]))
 
 
 def test_teacher_topk_is_normalised_over_the_whole_vocabulary_and_full_k_is_the_exact_kl():
@@ -66,19 +67,19 @@ def test_teacher_topk_is_normalised_over_the_whole_vocabulary_and_full_k_is_the_
     teacher_B_T_V, student_B_T_V = torch.randn(2, 2, 3, 6, generator=generator)
     logp_B_T_K, ids_B_T_K = teacher_topk(teacher_B_T_V, 2)
     full_B_T_V = teacher_B_T_V.log_softmax(-1)
-    torch.testing.assert_close(logp_B_T_K, full_B_T_V.topk(2).values)
-    torch.testing.assert_close(ids_B_T_K, full_B_T_V.topk(2).indices)
+    assert_close(logp_B_T_K, full_B_T_V.topk(2).values)
+    assert_close(ids_B_T_K, full_B_T_V.topk(2).indices)
     # the candidates stop at `vocab`; the normalisation does not
     limited, ids = teacher_topk(teacher_B_T_V, 6, vocab=4)
     assert limited.shape[-1] == 4 and int(ids.max()) < 4
-    torch.testing.assert_close(limited.exp().sum(-1), full_B_T_V[..., :4].exp().sum(-1))
+    assert_close(limited.exp().sum(-1), full_B_T_V[..., :4].exp().sum(-1))
     # k = V: the exact KL(p || q)
     logp_B_T_V, ids_B_T_V = teacher_topk(teacher_B_T_V, 100)
     student_logp = student_B_T_V.log_softmax(-1)
     divergence, mass, _ = forward_kl_topk(student_logp.gather(-1, ids_B_T_V), logp_B_T_V)
     exact = (full_B_T_V.exp() * (full_B_T_V - student_logp)).sum(-1)
-    torch.testing.assert_close(divergence, exact)
-    torch.testing.assert_close(mass, torch.ones(2, 3))
+    assert_close(divergence, exact)
+    assert_close(mass, torch.ones(2, 3))
 
 
 def test_forward_kl_term_in_the_actor_loss():
@@ -89,9 +90,9 @@ def test_forward_kl_term_in_the_actor_loss():
     algorithm = get("grpo").replace(kl_coef=0.0, forward_kl_coef=2.0, reduction="token-mean")
     loss, metrics = algorithm.actor_loss(logp_B_T, logp_B_T, torch.zeros(1, 1), torch.ones(1, 1),
                                          topk_logp_B_T_K=student, teacher_topk_logp_B_T_K=teacher)
-    torch.testing.assert_close(loss, torch.tensor(math.log(2)))
-    assert metrics["forward_kl"] == pytest.approx(0.5 * math.log(2))
-    assert metrics["teacher_topk_mass"] == pytest.approx(0.75) and metrics["student_topk_mass"] == pytest.approx(0.5)
+    assert_close(loss, torch.tensor(math.log(2)))
+    assert metrics["forward_kl"] == approx(0.5 * math.log(2))
+    assert metrics["teacher_topk_mass"] == approx(0.75) and metrics["student_topk_mass"] == approx(0.5)
     with pytest.raises(ValueError, match="forward_kl_coef > 0: pass topk_logp_B_T_K and teacher_topk_logp_B_T_K"):
         algorithm.actor_loss(logp_B_T, logp_B_T, torch.zeros(1, 1), torch.ones(1, 1))
 

@@ -1,9 +1,10 @@
-"""Policy losses on tiny hand-worked tensors (ALGORITHMS.md §2)."""
+"""Policy losses on tiny hand-worked tensors (docs/algorithms.md, losses)."""
 
 import math
 
 import pytest
 import torch
+from floats import approx, assert_close
 
 from rlbench.algorithms import aggregate, get, loss_fn, loss_reduction
 
@@ -26,11 +27,11 @@ def test_ppo_clip_with_dual_clip():
     # (1.1, -1): max(1.1, 1.1) = 1.1, min(1.1, -A·c = 3) = 1.1
     # (5.0, -1): max(5, 1.2) = 5, dual-clip min(5, 3) = 3
     loss_B_T, metrics = loss_fn("ppo_clip")(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK)
-    torch.testing.assert_close(loss_B_T[:, :4], torch.tensor([[-1.2, -0.5, 1.1, 3.0]]))
-    assert metrics["clip_frac"].item() == pytest.approx(0.25)
-    assert metrics["clip_frac_lower"].item() == pytest.approx(0.25)
+    assert_close(loss_B_T[:, :4], torch.tensor([[-1.2, -0.5, 1.1, 3.0]]))
+    assert metrics["clip_frac"].item() == approx(0.25)
+    assert metrics["clip_frac_lower"].item() == approx(0.25)
     # approx_kl = -mean(log r) over valid = -(ln 1.5 + ln 0.5 + ln 1.1 + ln 5)/4
-    assert metrics["approx_kl"].item() == pytest.approx(-math.log(1.5 * 0.5 * 1.1 * 5.0) / 4, rel=1e-5)
+    assert metrics["approx_kl"].item() == approx(-math.log(1.5 * 0.5 * 1.1 * 5.0) / 4)
     assert all(not v.requires_grad and v.dim() == 0 for v in metrics.values())
 
 
@@ -39,14 +40,14 @@ def test_ppo_clip_gradient_is_zero_where_clipped():
     logp_B_T = PPO_LOGP.detach().clone().requires_grad_()
     loss_B_T, _ = loss_fn("ppo_clip")(logp_B_T, PPO_OLD, PPO_ADV, PPO_MASK)
     (loss_B_T * PPO_MASK).sum().backward()
-    torch.testing.assert_close(logp_B_T.grad, torch.tensor([[0.0, -0.5, 1.1, 0.0, 0.0]]))
+    assert_close(logp_B_T.grad, torch.tensor([[0.0, -0.5, 1.1, 0.0, 0.0]]))
 
 
 def test_ppo_clip_higher_and_weights():
     # clip_high 0.28: r = 1.5 is clipped at 1.28 -> -1.28 ; weights multiply the per-token loss
     weights_B_T = torch.tensor([[2.0, 1.0, 0.5, 1.0, 1.0]])
     loss_B_T, _ = loss_fn("ppo_clip")(PPO_LOGP, PPO_OLD, PPO_ADV, PPO_MASK, weights_B_T=weights_B_T, clip_high=0.28)
-    torch.testing.assert_close(loss_B_T[:, :4], torch.tensor([[-2.56, -0.5, 0.55, 3.0]]))
+    assert_close(loss_B_T[:, :4], torch.tensor([[-2.56, -0.5, 0.55, 3.0]]))
 
 
 @pytest.mark.parametrize("clip_c", [1.0, 0.5])
@@ -65,10 +66,10 @@ def test_gspo_sequence_ratio():
     mask_B_T = torch.tensor([[1, 1, 0], [1, 1, 0]])
     loss_B_T, metrics = loss_fn("gspo")(logp_B_T, old_logp_B_T, adv_B_T, mask_B_T)
     s = math.exp(0.05)
-    torch.testing.assert_close(loss_B_T[:, :2], torch.tensor([[-1.0004, -1.0004], [s, s]]))
-    assert metrics["clip_frac"].item() == pytest.approx(0.5)
+    assert_close(loss_B_T[:, :2], torch.tensor([[-1.0004, -1.0004], [s, s]]))
+    assert metrics["clip_frac"].item() == approx(0.5)
     (loss_B_T * mask_B_T).sum().backward()
-    torch.testing.assert_close(logp_B_T.grad, torch.tensor([[0.0, 0.0, 0.0], [s, s, 0.0]]))
+    assert_close(logp_B_T.grad, torch.tensor([[0.0, 0.0, 0.0], [s, s, 0.0]]))
 
 
 def test_cispo_keeps_gradient_of_clipped_tokens():
@@ -78,13 +79,13 @@ def test_cispo_keeps_gradient_of_clipped_tokens():
     logp_B_T = torch.log(torch.tensor([[0.6, 0.2]])).requires_grad_()
     adv_B_T = torch.tensor([[1.0, -1.0]])
     loss_B_T, metrics = loss_fn("cispo")(logp_B_T, old_logp_B_T, adv_B_T, torch.ones(1, 2))
-    torch.testing.assert_close(loss_B_T, torch.tensor([[-1.2 * math.log(0.6), 0.5 * math.log(0.2)]]))
-    assert metrics["clip_frac"].item() == pytest.approx(0.5)
+    assert_close(loss_B_T, torch.tensor([[-1.2 * math.log(0.6), 0.5 * math.log(0.2)]]))
+    assert metrics["clip_frac"].item() == approx(0.5)
     loss_B_T.sum().backward()
-    torch.testing.assert_close(logp_B_T.grad, torch.tensor([[-1.2, 0.5]]))
+    assert_close(logp_B_T.grad, torch.tensor([[-1.2, 0.5]]))
     # with a lower clip of 0.2, r = 0.5 -> 0.8: L = 0.8·ln 0.2
     loss_B_T, _ = loss_fn("cispo")(logp_B_T, old_logp_B_T, adv_B_T, torch.ones(1, 2), clip_low=0.2)
-    assert loss_B_T[0, 1].item() == pytest.approx(0.8 * math.log(0.2), rel=1e-6)
+    assert loss_B_T[0, 1].item() == approx(0.8 * math.log(0.2))
 
 
 def test_gmpo_geometric_mean_with_sign_aware_clip():
@@ -100,14 +101,14 @@ def test_gmpo_geometric_mean_with_sign_aware_clip():
     loss_B_T, metrics = loss_fn("gmpo")(logp_B_T, old_logp_B_T, adv_B_T, mask_B_T)
     assert loss_reduction("gmpo") == "seq-mean-token-mean"
     expected = (-math.exp(-0.05) + math.exp(0.05)) / 2
-    assert aggregate(loss_B_T, mask_B_T, "seq-mean-token-mean").item() == pytest.approx(expected, rel=1e-5)
-    assert metrics["clip_frac"].item() == pytest.approx(0.25)  # token (0, 0)
-    assert metrics["clip_frac_lower"].item() == pytest.approx(0.25)  # token (1, 0)
+    assert aggregate(loss_B_T, mask_B_T, "seq-mean-token-mean").item() == approx(expected)
+    assert metrics["clip_frac"].item() == approx(0.25)  # token (0, 0)
+    assert metrics["clip_frac_lower"].item() == approx(0.25)  # token (1, 0)
     # token weights enter as the per-sequence geometric mean: sqrt(4·1) = 2 doubles sequence 0
     weights_B_T = torch.tensor([[4.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
     loss_B_T, _ = loss_fn("gmpo")(logp_B_T, old_logp_B_T, adv_B_T, mask_B_T, weights_B_T=weights_B_T)
     expected = (-2 * math.exp(-0.05) + math.exp(0.05)) / 2
-    assert aggregate(loss_B_T, mask_B_T, "seq-mean-token-mean").item() == pytest.approx(expected, rel=1e-5)
+    assert aggregate(loss_B_T, mask_B_T, "seq-mean-token-mean").item() == approx(expected)
 
 
 def test_sapo_gate():
@@ -117,11 +118,11 @@ def test_sapo_gate():
     logp_B_T = (old_logp_B_T + torch.tensor([0.0, 0.0, 0.5])).requires_grad_()
     adv_B_T = torch.tensor([[1.0, -1.0, 1.0]])
     loss_B_T, _ = loss_fn("sapo")(logp_B_T, old_logp_B_T, adv_B_T, torch.ones(1, 3))
-    torch.testing.assert_close(loss_B_T, torch.tensor([[-2.0, 2 / 1.05, -2.626889]]))
+    assert_close(loss_B_T, torch.tensor([[-2.0, 2 / 1.05, -2.626889]]))
     assert loss_reduction("sapo") == "seq-mean-token-mean"
     # on-policy (r = 1) the gradient is the policy gradient -A: d/dlogp = -A·(4/τ)·σ'(0)·τ·r = -A
     loss_B_T[:, :2].sum().backward()
-    torch.testing.assert_close(logp_B_T.grad[:, :2], torch.tensor([[-1.0, 1.0]]))
+    assert_close(logp_B_T.grad[:, :2], torch.tensor([[-1.0, 1.0]]))
 
 
 def test_gpg_is_the_plain_policy_gradient():
@@ -129,9 +130,9 @@ def test_gpg_is_the_plain_policy_gradient():
     logp_B_T = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     adv_B_T = torch.tensor([[1.0, -0.5]])
     loss_B_T, _ = loss_fn("gpg")(logp_B_T, logp_B_T.detach() - 0.1, adv_B_T, torch.ones(1, 2))
-    torch.testing.assert_close(loss_B_T, torch.tensor([[1.0, -1.0]]))
+    assert_close(loss_B_T, torch.tensor([[1.0, -1.0]]))
     loss_B_T.sum().backward()
-    torch.testing.assert_close(logp_B_T.grad, torch.tensor([[-1.0, 0.5]]))
+    assert_close(logp_B_T.grad, torch.tensor([[-1.0, 0.5]]))
 
 
 # Covariance tokens: A = [2, 0, 0, -2], logp = [-1, -2, -2, -3] (mean A 0, mean logp -2)
@@ -146,8 +147,8 @@ def test_clip_cov_removes_a_high_covariance_token():
     old_logp_B_T = COV_LOGP - torch.tensor([[math.log(1.5), 0.0, 0.0, 0.0]])
     logp_B_T = COV_LOGP.clone().requires_grad_()
     loss_B_T, metrics = loss_fn("clip_cov")(logp_B_T, old_logp_B_T, COV_ADV, torch.ones(1, 4))
-    torch.testing.assert_close(loss_B_T, torch.tensor([[-2.4, 0.0, 0.0, 0.0]]))
-    assert metrics["cov_frac"].item() == pytest.approx(0.25)
+    assert_close(loss_B_T, torch.tensor([[-2.4, 0.0, 0.0, 0.0]]))
+    assert metrics["cov_frac"].item() == approx(0.25)
     loss_B_T.sum().backward()
     assert logp_B_T.grad[0, 3] == 0
 
@@ -159,7 +160,7 @@ def test_clip_cov_draw_is_seeded():
     ]
     for loss_B_T in draws:
         assert loss_B_T.tolist() in ([[0.0, 0.0, 0.0, 2.0]], [[-2.0, 0.0, 0.0, 0.0]])
-    torch.testing.assert_close(draws[0], draws[1])
+    assert_close(draws[0], draws[1])
     # cov_ratio 0.5: ⌊0.5·4⌋ = 2 tokens -> both removed
     loss_B_T, _ = loss_fn("clip_cov")(COV_LOGP, COV_LOGP, COV_ADV, torch.ones(1, 4), cov_ratio=0.5)
     assert (loss_B_T == 0).all()
@@ -171,8 +172,8 @@ def test_kl_cov_penalises_the_top_covariance_token():
     adv_B_T = torch.tensor([[3.0, 0.0, 0.0, -1.0]])
     old_logp_B_T = COV_LOGP - torch.tensor([[0.1, 0.0, 0.0, 0.0]])
     loss_B_T, metrics = loss_fn("kl_cov")(COV_LOGP, old_logp_B_T, adv_B_T, torch.ones(1, 4))
-    torch.testing.assert_close(loss_B_T, torch.tensor([[-3 * math.exp(0.1) + 0.01, 0.0, 0.0, 1.0]]))
-    assert metrics["cov_frac"].item() == pytest.approx(0.25)
+    assert_close(loss_B_T, torch.tensor([[-3 * math.exp(0.1) + 0.01, 0.0, 0.0, 1.0]]))
+    assert metrics["cov_frac"].item() == approx(0.25)
 
 
 # DPPO tokens, old probability 0.5 everywhere: (p, A) = (0.6, +1) (0.7, +1) (0.4, -1) (0.3, -1) (0.1, +1)
@@ -187,12 +188,12 @@ def test_dppo_tv_trusts_small_probability_moves():
     # L = -A·min(r, 20)·logp: token 0: -1.2·ln 0.6 ; token 2: 0.8·ln 0.4 ; token 4: -0.2·ln 0.1
     loss_B_T, metrics = loss_fn("dppo_tv")(DPPO_LOGP, DPPO_OLD, DPPO_ADV, torch.ones(1, 5))
     expected = [[-1.2 * math.log(0.6), 0.0, 0.8 * math.log(0.4), 0.0, -0.2 * math.log(0.1)]]
-    torch.testing.assert_close(loss_B_T, torch.tensor(expected))
-    assert metrics["clip_frac"].item() == pytest.approx(0.4)
+    assert_close(loss_B_T, torch.tensor(expected))
+    assert metrics["clip_frac"].item() == approx(0.4)
     # ratio cap C = 1.1: token 0's r = 1.2 -> 1.1
     loss_B_T, metrics = loss_fn("dppo_tv")(DPPO_LOGP, DPPO_OLD, DPPO_ADV, torch.ones(1, 5), clip_c=1.1)
-    assert loss_B_T[0, 0].item() == pytest.approx(-1.1 * math.log(0.6), rel=1e-6)
-    assert metrics["clip_frac_lower"].item() == pytest.approx(0.2)
+    assert loss_B_T[0, 0].item() == approx(-1.1 * math.log(0.6))
+    assert metrics["clip_frac_lower"].item() == approx(0.2)
 
 
 def test_dppo_kl_uses_the_binary_kl():
@@ -202,8 +203,8 @@ def test_dppo_kl_uses_the_binary_kl():
     # the trusted tokens are those of dppo_tv here, so the same L = -A·min(r, 20)·logp
     loss_B_T, metrics = loss_fn("dppo_kl")(DPPO_LOGP, DPPO_OLD, DPPO_ADV, torch.ones(1, 5))
     expected = [[-1.2 * math.log(0.6), 0.0, 0.8 * math.log(0.4), 0.0, -0.2 * math.log(0.1)]]
-    torch.testing.assert_close(loss_B_T, torch.tensor(expected))
-    assert metrics["clip_frac"].item() == pytest.approx(0.4)
+    assert_close(loss_B_T, torch.tensor(expected))
+    assert metrics["clip_frac"].item() == approx(0.4)
 
 
 def test_dro_quadratic_penalty_on_the_log_ratio():
@@ -216,13 +217,13 @@ def test_dro_quadratic_penalty_on_the_log_ratio():
     adv_B_T = torch.tensor([[2.0, -1.0, 5.0]])
     mask_B_T = torch.tensor([[1, 1, 0]])
     loss_B_T, metrics = loss_fn("dro")(logp_B_T, old_logp_B_T, adv_B_T, mask_B_T, beta=0.5)
-    torch.testing.assert_close(loss_B_T[:, :2], torch.tensor([[2.0625, -1.75]]))
+    assert_close(loss_B_T[:, :2], torch.tensor([[2.0625, -1.75]]))
     (loss_B_T * mask_B_T).sum().backward()
-    torch.testing.assert_close(logp_B_T.grad, torch.tensor([[-1.75, 0.5, 0.0]]))
-    assert metrics["approx_kl"].item() == pytest.approx(0.25)  # mean(old - logp) = (-0.5 + 1) / 2
+    assert_close(logp_B_T.grad, torch.tensor([[-1.75, 0.5, 0.0]]))
+    assert metrics["approx_kl"].item() == approx(0.25)  # mean(old - logp) = (-0.5 + 1) / 2
     weighted_B_T, _ = loss_fn("dro")(logp_B_T, old_logp_B_T, adv_B_T, mask_B_T, beta=0.5,
                                      weights_B_T=torch.tensor([[2.0, 0.5, 1.0]]))
-    torch.testing.assert_close(weighted_B_T[:, :2], torch.tensor([[4.125, -0.875]]))
+    assert_close(weighted_B_T[:, :2], torch.tensor([[4.125, -0.875]]))
 
 
 def test_dro_needs_a_positive_beta():

@@ -1,7 +1,8 @@
-"""Optimal Token Baseline and TIR-OTB (ALGORITHMS.md §9, verl 0.9.1 docs/algo/otb.md) on hand-worked tensors."""
+"""Optimal Token Baseline and TIR-OTB (docs/algorithms.md; verl 0.9.1 docs/algo/otb.md) on hand-worked tensors."""
 
 import pytest
 import torch
+from floats import approx, assert_close
 
 from rlbench.algorithms import advantage_fn, get
 
@@ -26,15 +27,15 @@ def test_otb_hand_worked(name):
     # row 3: a group of one, B = 0 -> A = G
     adv_B_T, returns_B_T = advantage_fn(name)(REWARDS_B_T, MASK_B_T, **DATA)
     expected = [[0.5, 4 / 9, 1.0], [-0.5, -5 / 9, 0.0], [0.5, 4 / 9, 0.0], [2.0, 2.0, 0.0]]
-    torch.testing.assert_close(adv_B_T, torch.tensor(expected))
-    torch.testing.assert_close(returns_B_T, torch.tensor([[1.0, 1, 1], [0, 0, 0], [1, 1, 0], [2, 2, 0]]))
+    assert_close(adv_B_T, torch.tensor(expected))
+    assert_close(returns_B_T, torch.tensor([[1.0, 1, 1], [0, 0, 0], [1, 1, 0], [2, 2, 0]]))
 
 
 def test_otb_without_zero_tail_the_lone_tail_has_no_advantage():
     # t2 of row 0: B = 1·2 / (2 + 1e-8) -> A = 1e-8 / 2 ≈ 0
     adv_B_T, _ = advantage_fn("otb")(REWARDS_B_T, MASK_B_T, **DATA, zero_tail=False)
     assert abs(adv_B_T[0, 2].item()) < 1e-6
-    torch.testing.assert_close(adv_B_T[:, :2], torch.tensor([[0.5, 4 / 9], [-0.5, -5 / 9], [0.5, 4 / 9], [2.0, 2.0]]))
+    assert_close(adv_B_T[:, :2], torch.tensor([[0.5, 4 / 9], [-0.5, -5 / 9], [0.5, 4 / 9], [2.0, 2.0]]))
 
 
 def test_otb_rollout_is_weights_enter_squared():
@@ -44,7 +45,7 @@ def test_otb_rollout_is_weights_enter_squared():
     weights_B_T[1, 0] = 2.0
     adv_B_T, _ = advantage_fn("otb")(REWARDS_B_T, MASK_B_T, **DATA, is_weights_B_T=weights_B_T)
     expected = [[0.8, 2 / 3, 1.0], [-0.2, -1 / 3, 0.0], [0.8, 2 / 3, 0.0], [2.0, 2.0, 0.0]]
-    torch.testing.assert_close(adv_B_T, torch.tensor(expected))
+    assert_close(adv_B_T, torch.tensor(expected))
 
 
 def test_tir_otb_equals_otb_on_contiguous_masks():
@@ -61,8 +62,8 @@ def test_tir_otb_equals_otb_on_contiguous_masks():
         otb_B_T, otb_returns_B_T = advantage_fn("otb")(rewards_B_T, mask_B_T, **data, zero_tail=zero_tail)
         tir_B_T, tir_returns_B_T = advantage_fn("tir_otb")(rewards_B_T, mask_B_T, **data, zero_tail=zero_tail)
         assert otb_B_T.abs().sum() > 0
-        torch.testing.assert_close(tir_B_T, otb_B_T)
-        torch.testing.assert_close(tir_returns_B_T, otb_returns_B_T)
+        assert_close(tir_B_T, otb_B_T)
+        assert_close(tir_returns_B_T, otb_returns_B_T)
 
 
 def test_tir_otb_aligns_the_kth_valid_tokens_on_a_holed_mask():
@@ -78,9 +79,9 @@ def test_tir_otb_aligns_the_kth_valid_tokens_on_a_holed_mask():
     data = dict(group_ids=torch.tensor([5, 5]), old_logp_B_T=torch.full((2, 4), 0.25).log(),
                 sum_pi2_B_T=torch.full((2, 4), 0.5))
     tir_B_T, _ = advantage_fn("tir_otb")(rewards_B_T, mask_B_T, **data)
-    torch.testing.assert_close(tir_B_T, torch.tensor([[0.5, 0.0, 0.5, 1.0], [-0.5, -0.5, 0.0, 0.0]]))
+    assert_close(tir_B_T, torch.tensor([[0.5, 0.0, 0.5, 1.0], [-0.5, -0.5, 0.0, 0.0]]))
     otb_B_T, _ = advantage_fn("otb")(rewards_B_T, mask_B_T, **data)
-    torch.testing.assert_close(otb_B_T, torch.tensor([[0.5, 0.0, 1.0, 1.0], [-0.5, 0.0, 0.0, 0.0]]))
+    assert_close(otb_B_T, torch.tensor([[0.5, 0.0, 1.0, 1.0], [-0.5, 0.0, 0.0, 0.0]]))
 
 
 def test_otb_names_the_missing_sum_pi2():
@@ -88,7 +89,7 @@ def test_otb_names_the_missing_sum_pi2():
         advantage_fn("otb")(REWARDS_B_T, MASK_B_T, group_ids=GROUP_IDS, old_logp_B_T=PI_B_T.log())
     alg = get("grpo").replace(name="otb", advantage="tir_otb")  # the data reaches it through Algorithm.estimate
     adv_B_T, _ = alg.estimate(REWARDS_B_T, MASK_B_T, **DATA, is_weights_B_T=None, values_B_T=None)
-    torch.testing.assert_close(adv_B_T[1], torch.tensor([-0.5, -5 / 9, 0.0]))
+    assert_close(adv_B_T[1], torch.tensor([-0.5, -5 / 9, 0.0]))
 
 
 def test_sum_pi2_from_logits_hand_worked():
@@ -97,9 +98,9 @@ def test_sum_pi2_from_logits_hand_worked():
     logits_B_T_V = torch.tensor([[[0.0, 3.0 ** 0.5], [0.0, float(torch.tensor(3.0).log())]]])
     ids_B_T = torch.tensor([[0, 1]])
     logp_B_T, sum_pi2_B_T = token_logp_and_sum_pi2(logits_B_T_V, ids_B_T)
-    torch.testing.assert_close(logp_B_T, token_logp(logits_B_T_V, ids_B_T))
-    torch.testing.assert_close(sum_pi2_B_T, torch.softmax(logits_B_T_V, -1).square().sum(-1))
-    assert sum_pi2_B_T[0, 1].item() == pytest.approx(0.625) and logp_B_T[0, 1].exp().item() == pytest.approx(0.75)
+    assert_close(logp_B_T, token_logp(logits_B_T_V, ids_B_T))
+    assert_close(sum_pi2_B_T, torch.softmax(logits_B_T_V, -1).square().sum(-1))
+    assert sum_pi2_B_T[0, 1].item() == approx(0.625) and logp_B_T[0, 1].exp().item() == approx(0.75)
 
 
 def test_needs_sum_pi2_is_declared_by_the_estimator():

@@ -1,7 +1,8 @@
-"""The presets of ALGORITHMS.md §8: their declarations, and each one running on a random batch."""
+"""The presets (docs/algorithms.md): their declarations, and each one running on a random batch."""
 
 import pytest
 import torch
+from floats import assert_close
 
 from rlbench.algorithms import advantage_fn, get, loss_fn, names
 
@@ -145,4 +146,4 @@ def test_preset_gradient_does_not_depend_on_the_micro_batch_split(name):
     parts_B_T = batch["logp_B_T"].clone().requires_grad_()
     for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
         loss_of(parts_B_T, rows, int(lengths_B[rows].max())).backward()
-    torch.testing.assert_close(parts_B_T.grad, whole_B_T.grad, atol=1e-6, rtol=0)
+    assert_close(parts_B_T.grad, whole_B_T.grad)

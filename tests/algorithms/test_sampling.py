@@ -1,7 +1,8 @@
-"""DAPO's group filter and overlong shaping (ALGORITHMS.md §7)."""
+"""DAPO's group filter and overlong shaping (docs/algorithms.md)."""
 
 import pytest
 import torch
+from floats import assert_close
 
 from rlbench.algorithms import filter_groups, overlong_penalty
 
@@ -19,10 +20,10 @@ def test_overlong_penalty():
     # L_max 20, L_buf 5 -> penalty starts after 15 tokens: min(-(len - 15)/5·factor, 0)
     # lengths 10, 15, 17, 20 -> [0, 0, -0.4, -1]
     lengths_B = torch.tensor([10, 15, 17, 20])
-    torch.testing.assert_close(overlong_penalty(lengths_B, 20, 5, 1.0), torch.tensor([0.0, 0.0, -0.4, -1.0]))
-    torch.testing.assert_close(overlong_penalty(lengths_B, 20, 5, 0.5), torch.tensor([0.0, 0.0, -0.2, -0.5]))
+    assert_close(overlong_penalty(lengths_B, 20, 5, 1.0), torch.tensor([0.0, 0.0, -0.4, -1.0]))
+    assert_close(overlong_penalty(lengths_B, 20, 5, 0.5), torch.tensor([0.0, 0.0, -0.2, -0.5]))
     # a buffer below 1 is a fraction of L_max: 0.25·20 = 5 tokens
-    torch.testing.assert_close(overlong_penalty(lengths_B, 20, 0.25), torch.tensor([0.0, 0.0, -0.4, -1.0]))
+    assert_close(overlong_penalty(lengths_B, 20, 0.25), torch.tensor([0.0, 0.0, -0.4, -1.0]))
 
 
 @pytest.mark.parametrize("buffer_len", [0, 21])

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from floats import assert_close
 
 from rlbench.algorithms import ADVANTAGE_DATA, advantage_fn, get, outcome_rewards
 
@@ -58,8 +59,8 @@ def test_mt_grpo_hand_worked():
     want_B_T = expected(MT_LAYOUTS, [
         [2.5 * S3, 2 * S3 + 0.5 * h], [-2 * S3, -S3 - 0.5 * h], [-0.5 * S3], [3.0],
     ])
-    torch.testing.assert_close(adv_B_T, want_B_T, atol=1e-5, rtol=0)
-    torch.testing.assert_close(returns_B_T, adv_B_T)
+    assert_close(adv_B_T, want_B_T, atol=1e-5)  # 1e-5: ε (1e-6) in the stds, left out by hand
+    assert_close(returns_B_T, adv_B_T)
     assert adv_B_T[0, 2:4].eq(0).all() and adv_B_T[1, 1] == 0  # the tool-output holes
 
 
@@ -70,11 +71,11 @@ def test_mt_grpo_without_std_and_without_turn_coef():
     # norm_by_std=False: Â^O = s - mean = [2/3, -1/3, -1/3 | 3]; turn 0: [1/3, -2/3, 1/3 | 0]; turn 1: [0.5, -0.5]
     adv_B_T, _ = estimator(rewards_B_T, mask_B_T, turn_B_T=turn_B_T, norm_by_std=False, **MT_DATA)
     want_B_T = expected(MT_LAYOUTS, [[1.0, 2 / 3 + 0.5], [-1.0, -1 / 3 - 0.5], [0.0], [3.0]])
-    torch.testing.assert_close(adv_B_T, want_B_T, atol=1e-6, rtol=0)
+    assert_close(adv_B_T, want_B_T)
     # turn_coef=0: every turn gets the GRPO advantage of its episode
     adv_B_T, _ = estimator(rewards_B_T, mask_B_T, turn_B_T=turn_B_T, turn_coef=0.0, **MT_DATA)
     grpo_B_T, _ = advantage_fn("grpo")(rewards_B_T, mask_B_T, group_ids=MT_DATA["group_ids"])
-    torch.testing.assert_close(adv_B_T, grpo_B_T)
+    assert_close(adv_B_T, grpo_B_T)
 
 
 # GiGPO: group 0 = episodes 0-2 from anchor state 7; group 1 = episode 3, whose state id 7 is another state.
@@ -105,7 +106,7 @@ def test_gigpo_hand_worked_without_std():
     want_B_T = expected(GI_LAYOUTS, [
         [1 / 3 + 0.25, 1 / 3 + 1 / 3], [-2 / 3 - 0.25, -2 / 3 - 2 / 3], [1 / 3, 1 / 3, 1 / 3 + 1 / 3], [5.0],
     ])
-    torch.testing.assert_close(adv_B_T, want_B_T, atol=1e-6, rtol=0)
+    assert_close(adv_B_T, want_B_T)
 
 
 def test_gigpo_hand_worked_with_std_and_step_coef():
@@ -117,7 +118,7 @@ def test_gigpo_hand_worked_with_std_and_step_coef():
     want_B_T = expected(GI_LAYOUTS, [
         [S3 + 2, S3 + 2 * S3], [-2 * S3 - 2, -2 * S3 - 4 * S3], [S3, S3, S3 + 2 * S3], [5.0],
     ])
-    torch.testing.assert_close(adv_B_T, want_B_T, atol=1e-5, rtol=1e-5)  # ε in the denominators
+    assert_close(adv_B_T, want_B_T, atol=1e-5, rtol=1e-5)  # ε in the denominators
 
 
 def test_gigpo_defaults_are_the_papers():
@@ -125,7 +126,7 @@ def test_gigpo_defaults_are_the_papers():
     default_B_T, _ = advantage_fn("gigpo")(rewards_B_T, mask_B_T, turn_B_T=turn_B_T, **GI_DATA)
     paper_B_T, _ = advantage_fn("gigpo")(rewards_B_T, mask_B_T, turn_B_T=turn_B_T, step_coef=1.0, gamma=0.95,
                                          norm="std", **GI_DATA)
-    torch.testing.assert_close(default_B_T, paper_B_T)
+    assert_close(default_B_T, paper_B_T)
     with pytest.raises(ValueError, match="unknown norm 'mean'"):
         advantage_fn("gigpo")(rewards_B_T, mask_B_T, turn_B_T=turn_B_T, norm="mean", **GI_DATA)
 
@@ -149,8 +150,8 @@ def test_turn_rloo_hand_worked():
     mask_B_T, turn_B_T = episodes(LOO_LAYOUTS)
     rewards_B_T = outcome_rewards(LOO_SCORES_B, mask_B_T)
     adv_B_T, returns_B_T = advantage_fn("turn_rloo")(rewards_B_T, mask_B_T, turn_B_T=turn_B_T, **LOO_DATA)
-    torch.testing.assert_close(adv_B_T, expected(LOO_LAYOUTS, [[1.15, 0.5], [-0.8], [-0.35, -0.5, 0.0], [0.0, 0.0]]))
-    torch.testing.assert_close(returns_B_T, expected(LOO_LAYOUTS, [[1.5, 1.0], [0.2], [0.5, 0.5, 0.0], [2.0, 1.0]]))
+    assert_close(adv_B_T, expected(LOO_LAYOUTS, [[1.15, 0.5], [-0.8], [-0.35, -0.5, 0.0], [0.0, 0.0]]))
+    assert_close(returns_B_T, expected(LOO_LAYOUTS, [[1.5, 1.0], [0.2], [0.5, 0.5, 0.0], [2.0, 1.0]]))
 
 
 def test_turn_rloo_baseline_ignores_the_episode_itself():
@@ -161,8 +162,8 @@ def test_turn_rloo_baseline_ignores_the_episode_itself():
     before_B_T, _ = estimator(outcome_rewards(LOO_SCORES_B, mask_B_T), mask_B_T, turn_B_T=turn_B_T, **LOO_DATA)
     raised_B = LOO_SCORES_B + torch.tensor([0.4, 0.0, 0.0, 0.0])
     after_B_T, _ = estimator(outcome_rewards(raised_B, mask_B_T), mask_B_T, turn_B_T=turn_B_T, **LOO_DATA)
-    torch.testing.assert_close(after_B_T - before_B_T,
-                               expected(LOO_LAYOUTS, [[0.4, 0.4], [-0.2], [-0.2, -0.4, 0.0], [0.0, 0.0]]))
+    assert_close(after_B_T - before_B_T,
+                 expected(LOO_LAYOUTS, [[0.4, 0.4], [-0.2], [-0.2, -0.4, 0.0], [0.0, 0.0]]))
 
 
 def test_token_rewards_count_in_their_own_turn():
@@ -172,7 +173,7 @@ def test_token_rewards_count_in_their_own_turn():
     rewards_B_T = torch.tensor([[-0.1, 0.0, 0.8]])
     _, returns_B_T = advantage_fn("turn_rloo")(rewards_B_T, mask_B_T, group_ids=[0], turn_B_T=turn_B_T,
                                                turn_rewards_B_N=torch.zeros(1, 2), turns_B=torch.tensor([2]))
-    torch.testing.assert_close(returns_B_T, torch.tensor([[0.7, 0.0, 0.8]]))
+    assert_close(returns_B_T, torch.tensor([[0.7, 0.0, 0.8]]))
 
 
 TURN_ESTIMATORS = ["gigpo", "mt_grpo", "turn_rloo"]
@@ -203,9 +204,9 @@ def test_estimate_passes_turn_data_only_to_estimators_that_declare_it():
     data = dict(GI_DATA, turn_B_T=turn_B_T)
     gigpo_B_T, _ = get("grpo").replace(name="gigpo-test", advantage="gigpo").estimate(rewards_B_T, mask_B_T, **data)
     direct_B_T, _ = advantage_fn("gigpo")(rewards_B_T, mask_B_T, **data)
-    torch.testing.assert_close(gigpo_B_T, direct_B_T)
+    assert_close(gigpo_B_T, direct_B_T)
     grpo_B_T, _ = get("grpo").estimate(rewards_B_T, mask_B_T, **data)  # grpo declares none of it
-    torch.testing.assert_close(grpo_B_T, advantage_fn("grpo")(rewards_B_T, mask_B_T, group_ids=GI_DATA["group_ids"])[0])
+    assert_close(grpo_B_T, advantage_fn("grpo")(rewards_B_T, mask_B_T, group_ids=GI_DATA["group_ids"])[0])
 
 
 @pytest.mark.parametrize("name", TURN_ESTIMATORS)
