@@ -10,7 +10,8 @@
     mine = A.get("grpo").replace(name="mine", loss=my_loss)
     A.get("grpo").replace(correction="mis")  # rollout correction: a name, or A.RolloutCorrection(...)
 
-This package imports only torch and the standard library.
+docs/algorithms.md lists every part with its formula, source and verl name; `python -m rlbench.algorithms.reference`
+writes it from the registry. This package imports only torch and the standard library.
 """
 
 import importlib

@@ -1,4 +1,4 @@
-"""Advantage estimators (ALGORITHMS.md §1), registered by name.
+"""Advantage estimators, registered by name (docs/algorithms.md lists them).
 
 Every estimator has the signature `f(rewards_B_T, mask_B_T, *, <data keywords it uses>, **hparams) ->
 (advantages_B_T, returns_B_T)`; it declares only the data it reads (`registry.ADVANTAGE_DATA`: `group_ids`,
@@ -57,7 +57,7 @@ def _returns_to_go(rewards_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: flo
     return returns_B_T
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", verl="grpo")
 def grpo(rewards_B_T, mask_B_T, *, group_ids, norm_by_std: bool = True, epsilon: float = 1e-6):
     """GRPO: the score normalised within its prompt group.
 
@@ -71,7 +71,7 @@ def grpo(rewards_B_T, mask_B_T, *, group_ids, norm_by_std: bool = True, epsilon:
     return adv_B_T, adv_B_T
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", verl="rloo")
 def rloo(rewards_B_T, mask_B_T, *, group_ids):
     """RLOO: leave-one-out group baseline.
 
@@ -86,7 +86,7 @@ def rloo(rewards_B_T, mask_B_T, *, group_ids):
     return adv_B_T, adv_B_T
 
 
-@register_advantage("reinforce_plus_plus_baseline")
+@register_advantage("reinforce_plus_plus_baseline", verl="reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(rewards_B_T, mask_B_T, *, group_ids):
     """REINFORCE++ with group baseline: group-mean baseline, then whitening over the whole batch.
 
@@ -102,7 +102,7 @@ def reinforce_plus_plus_baseline(rewards_B_T, mask_B_T, *, group_ids):
     return adv_B_T, adv_B_T
 
 
-@register_advantage("reinforce_plus_plus")
+@register_advantage("reinforce_plus_plus", verl="reinforce_plus_plus")
 def reinforce_plus_plus(rewards_B_T, mask_B_T, *, gamma: float = 1.0):
     """REINFORCE++: discounted token returns, whitened over the batch (no critic, no group).
 
@@ -115,7 +115,7 @@ def reinforce_plus_plus(rewards_B_T, mask_B_T, *, gamma: float = 1.0):
     return masked_whiten(returns_B_T, mask_B_T) * mask_B_T, returns_B_T
 
 
-@register_advantage("remax")
+@register_advantage("remax", verl="remax")
 def remax(rewards_B_T, mask_B_T, *, baselines_B=None):
     """ReMax: reward-to-go minus the reward of a greedy rollout of the same prompt.
 
@@ -130,7 +130,7 @@ def remax(rewards_B_T, mask_B_T, *, baselines_B=None):
     return (returns_B_T - baselines_B.unsqueeze(-1)) * mask_B_T, returns_B_T
 
 
-@register_advantage("gpg")
+@register_advantage("gpg", verl="gpg")
 def gpg(rewards_B_T, mask_B_T, *, group_ids):
     """GPG: group-mean baseline, rescaled by the share of samples with a non-zero score.
 
@@ -146,7 +146,7 @@ def gpg(rewards_B_T, mask_B_T, *, group_ids):
     return adv_B_T, adv_B_T
 
 
-@register_advantage("opo")
+@register_advantage("opo", verl="opo")
 def opo(rewards_B_T, mask_B_T, *, group_ids):
     """OPO: the optimal baseline, a length-weighted group mean.
 
@@ -164,7 +164,7 @@ def opo(rewards_B_T, mask_B_T, *, group_ids):
     return adv_B_T, adv_B_T
 
 
-@register_advantage("grpo_passk")
+@register_advantage("grpo_passk", verl="grpo_passk")
 def grpo_passk(rewards_B_T, mask_B_T, *, group_ids, norm_by_std: bool = True, epsilon: float = 1e-6):
     """Pass@k GRPO: only the best sample of each group is reinforced, by its margin over the runner-up.
 
@@ -188,7 +188,7 @@ def grpo_passk(rewards_B_T, mask_B_T, *, group_ids, norm_by_std: bool = True, ep
     return adv_B_T, adv_B_T
 
 
-@register_advantage("gae")
+@register_advantage("gae", verl="gae")
 def gae(rewards_B_T, mask_B_T, *, values_B_T=None, gamma: float = 1.0, lam: float = 1.0):
     """GAE with a learned critic, whitened over the batch.
 
@@ -213,7 +213,7 @@ def gae(rewards_B_T, mask_B_T, *, values_B_T=None, gamma: float = 1.0, lam: floa
     return masked_whiten(adv_B_T, mask_B_T) * mask_B_T, returns_B_T
 
 
-@register_advantage("gdpo")
+@register_advantage("gdpo", verl="gdpo")
 def gdpo(
     rewards_B_T, mask_B_T, *, group_ids, reward_components_B_K=None, component_weights=None, norm_by_std: bool = True, epsilon: float = 1e-6,
 ):

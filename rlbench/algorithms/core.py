@@ -1,7 +1,7 @@
 """Shared tensor math: masked statistics, token log-probs and ratios, outcome rewards, the loss reduction,
 KL estimators, entropy, the critic loss; a metric's value as a Python float.
 
-Notation (ALGORITHMS.md): `B` responses, `T` response tokens, `mask_B_T` is 1 on tokens the policy
+Notation (docs/algorithms.md): `B` responses, `T` response tokens, `mask_B_T` is 1 on tokens the policy
 generated. Every function here is pure and works on any device and float dtype.
 """
 
@@ -106,13 +106,15 @@ def aggregate(
     num_seqs=None,
     norm_length: int | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar (ALGORITHMS.md §3).
+    """Reduce a per-token loss to a scalar.
 
-        token-mean               Σ L·m / N
+        token-mean               Σ L·m / N                              (DAPO, arXiv:2503.14476; the default)
         token-sum                Σ L·m
         seq-mean-token-sum       Σ_i (Σ_t L·m) / B
         seq-mean-token-mean      Σ_i (Σ_t L·m / (Σ_t m + 1e-8)) / B     (original GRPO, GSPO)
         seq-mean-token-sum-norm  Σ L·m / (B·T_norm)                     (Dr.GRPO, arXiv:2503.20783)
+
+    The modes are verl 0.9.1's `loss_agg_mode` values, under the same names.
 
     `num_tokens` (N) and `num_seqs` (B) are the counts of the whole mini-batch across ranks; the trainer
     passes them when it splits the mini-batch into micro-batches, so that the summed micro-batch losses equal
@@ -147,11 +149,16 @@ _KL_ESTIMATORS = {"k1": lambda d: d, "abs": torch.abs, "k2": lambda d: 0.5 * d.s
 def kl(logp_B_T: torch.Tensor, ref_logp_B_T: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token KL estimate between the policy and the reference, `k = logp - ref_logp`.
 
-        k1 = k      abs = |k|      k2 = ½k²      k3 = clamp(e^κ - κ - 1, -10, 10),  κ = clamp(-k, -20, 20)
+        k1    k                                                  (unbiased, signed)
+        abs   |k|
+        k2    ½k²
+        k3    clamp(e^κ - κ - 1, -10, 10),  κ = clamp(-k, -20, 20)    (GRPO's choice, arXiv:2402.03300)
 
     A `+` suffix (`"k3+"`) is straight-through: the value of the base estimator, the gradient of k2
-    (the unbiased gradient of KL). Schulman, "Approximating KL divergence" (2020); k3 is GRPO's choice
-    (arXiv:2402.03300).
+    (the unbiased gradient of KL). Schulman, "Approximating KL divergence" (2020). verl 0.9.1 takes the same
+    names, `+` included, for the KL in the loss (`actor.kl_loss_type`, with `use_kl_loss` and `kl_loss_coef`:
+    `Algorithm.kl_estimator` and `kl_coef`) and in the reward (`algorithm.kl_penalty`); it also calls k1 `kl`,
+    k2 `mse` and k3 `low_var_kl`.
     """
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(KL_KINDS)}")
@@ -175,7 +182,9 @@ def kl_in_reward(
     """KL in the reward, PPO's way: `r_t ← r_t - β·kl_t` on valid tokens.
 
     `logp_B_T` are the log-probs of the policy that produced the batch. Returns the penalised rewards and
-    the batch KL `mean_i masked_mean_t(kl)` (detached), the value `AdaptiveKL.update` expects.
+    the batch KL `mean_i masked_mean_t(kl)` (detached), the value `AdaptiveKL.update` expects. Set by
+    `Algorithm.reward_kl_coef` (β) and `reward_kl_estimator`: verl 0.9.1's `algorithm.use_kl_in_reward`,
+    `kl_ctrl.kl_coef` and `kl_penalty`.
     """
     kl_B_T = kl(logp_B_T, ref_logp_B_T, kind) * mask_B_T.to(logp_B_T.dtype)
     batch_kl = masked_mean(kl_B_T, mask_B_T, dim=-1).mean()
@@ -188,7 +197,8 @@ class AdaptiveKL:
 
         β ← β·(1 + clip(KL/target - 1, -0.2, 0.2)·n/horizon)
 
-    `n` is the number of responses the KL was measured on.
+    `n` is the number of responses the KL was measured on. Set by `Algorithm.reward_kl_target` and
+    `reward_kl_horizon`: verl 0.9.1's `algorithm.kl_ctrl` (`type: adaptive`, `target_kl`, `horizon`).
     """
 
     coef: float
@@ -247,8 +257,9 @@ def reverse_kl_advantages(old_logp_B_T: torch.Tensor, teacher_logp_B_T: torch.Te
                           estimator: str = "k1") -> torch.Tensor:
     """`-k(logπ_student, logπ_teacher)` per sampled token, 0 on invalid tokens.
 
-        k1 = logπ_s - logπ_t        k3 = e^κ - κ - 1,  κ = logπ_t - logπ_s   (both estimate KL(π_s || π_t) on
-        tokens drawn from π_s; k1 is unbiased and signed, k3 non-negative; see `kl`)
+        k1 = logπ_s - logπ_t        k3 = e^κ - κ - 1,  κ = logπ_t - logπ_s
+
+    Both estimate KL(π_s || π_t) on tokens drawn from π_s; k1 is unbiased and signed, k3 non-negative (see `kl`).
     """
     if estimator not in REVERSE_KL_KINDS:
         raise ValueError(f"unknown reverse-KL estimator {estimator!r}; valid: {', '.join(REVERSE_KL_KINDS)}")

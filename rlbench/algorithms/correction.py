@@ -1,10 +1,10 @@
 """Rollout correction: the sampler and the trainer disagree (other kernels, dtypes, stale weights).
 
 `log ρ_t = old_logp_t - sampler_logp_t` is the log-ratio of the trainer's probability of a sampled token
-to the sampler's (ALGORITHMS.md §6). Its statistic is taken per token, per sequence (`Σ_t log ρ_t`) or as
-the per-sequence geometric mean (`mean_t log ρ_t`), and turned into detached importance weights that
-multiply the per-token policy loss, or into a rejection mask. `Rejection` rules add verl 0.9.1's rejection
-on divergence statistics (k1, k2, k3 per token, or a sequence's sum, mean or max of them; ALGORITHMS.md §9).
+to the sampler's. Its statistic is taken per token, per sequence (`Σ_t log ρ_t`) or as the per-sequence
+geometric mean (`mean_t log ρ_t`), and turned into detached importance weights that multiply the per-token
+policy loss, or into a rejection mask. `Rejection` rules add verl 0.9.1's rejection on divergence statistics
+(k1, k2, k3 per token, or a sequence's sum, mean or max of them). docs/algorithms.md lists the named corrections.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class Rejection:
 
 @dataclass(frozen=True)
 class RolloutCorrection:
-    """Importance weights or rejection for sampler/trainer mismatch (ALGORITHMS.md §6, §9).
+    """Importance weights or rejection for sampler/trainer mismatch.
 
         w = exp(clamp(log ρ, ±20)) at `level`
         mode tis       weights = min(w, high)                  truncated IS (Yao et al. 2025, "Your efficient

@@ -21,7 +21,7 @@ from .core import reverse_kl_advantages
 from .registry import register_advantage
 
 
-@register_advantage("reverse_kl")
+@register_advantage("reverse_kl", verl="distillation_loss.use_policy_gradient=true, loss_mode=k1 (or k3)")
 def reverse_kl(rewards_B_T, mask_B_T, *, old_logp_B_T=None, teacher_logp_B_T=None, estimator: str = "k1"):
     """On-policy distillation (GKD arXiv:2306.13649; Thinking Machines 2025): the negative per-token reverse KL
     from the student to the teacher, on the student's own samples, is each token's advantage; the task's reward
@@ -30,7 +30,8 @@ def reverse_kl(rewards_B_T, mask_B_T, *, old_logp_B_T=None, teacher_logp_B_T=Non
         A_t = -k(logπ_old_t, logπ_teacher_t)·m_t,   k = k1 (logπ_s - logπ_t) or k3;   returns = A
 
     Differs from the RL estimators by reading no reward: a dense per-token signal from the teacher, each token
-    credited with its own term only (no sum over later tokens, as Thinking Machines' recipe). Needs `teacher_logp_B_T` (a session with `teacher=`) and `old_logp_B_T`."""
+    credited with its own term only (no sum over later tokens, as Thinking Machines' recipe). Needs
+    `teacher_logp_B_T` (a session with `teacher=`) and `old_logp_B_T`."""
     if old_logp_B_T is None or teacher_logp_B_T is None:
         raise ValueError("reverse_kl needs teacher_logp_B_T (a session with teacher=...) and old_logp_B_T")
     advantages_B_T = reverse_kl_advantages(old_logp_B_T, teacher_logp_B_T, mask_B_T, estimator)

@@ -1,4 +1,4 @@
-"""Policy losses (ALGORITHMS.md §2), registered by name.
+"""Policy losses, registered by name (docs/algorithms.md lists them).
 
 Every loss has the signature `f(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
 **hparams) -> (loss_B_T, metrics)`: the unreduced per-token loss (`aggregate` reduces it), multiplied by
@@ -41,7 +41,7 @@ def _covariance(advantages_B_T, logp_B_T, mask_B_T) -> torch.Tensor:
     return (advantages_B_T - masked_mean(advantages_B_T, mask_B_T)) * (logp_B_T - masked_mean(logp_B_T, mask_B_T))
 
 
-@register_loss("ppo_clip")
+@register_loss("ppo_clip", verl="vanilla")
 def ppo_clip(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0,
@@ -69,7 +69,7 @@ def ppo_clip(
     return _weighted(loss_B_T, weights_B_T), metrics
 
 
-@register_loss("gspo")
+@register_loss("gspo", verl="gspo")
 def gspo(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     clip_low: float = 3e-4, clip_high: float = 4e-4,
@@ -92,7 +92,7 @@ def gspo(
     return _weighted(loss_B_T, weights_B_T), metrics
 
 
-@register_loss("cispo")
+@register_loss("cispo", verl="cispo")
 def cispo(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     clip_low: float | None = None, clip_high: float = 0.2,
@@ -115,7 +115,7 @@ def cispo(
     return _weighted(loss_B_T, weights_B_T), metrics
 
 
-@register_loss("gmpo", reduction="seq-mean-token-mean")
+@register_loss("gmpo", reduction="seq-mean-token-mean", verl="geo_mean")
 def gmpo(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     clip_low: float = 0.4, clip_high: float = 0.4,
@@ -149,7 +149,7 @@ def gmpo(
     return loss_B.unsqueeze(-1).expand_as(logp_B_T), metrics
 
 
-@register_loss("sapo", reduction="seq-mean-token-mean")
+@register_loss("sapo", reduction="seq-mean-token-mean", verl="sapo")
 def sapo(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     tau_pos: float = 1.0, tau_neg: float = 1.05,
@@ -167,7 +167,7 @@ def sapo(
     return _weighted(loss_B_T, weights_B_T), {"approx_kl": _approx_kl(logp_B_T, old_logp_B_T, mask_B_T)}
 
 
-@register_loss("gpg")
+@register_loss("gpg", verl="gpg")
 def gpg(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None):
     """GPG: the plain policy gradient, no ratio and no clipping.
 
@@ -179,7 +179,7 @@ def gpg(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None):
     return _weighted(loss_B_T, weights_B_T), {"approx_kl": _approx_kl(logp_B_T, old_logp_B_T, mask_B_T)}
 
 
-@register_loss("clip_cov")
+@register_loss("clip_cov", verl="clip_cov")
 def clip_cov(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     clip_low: float = 0.2, clip_high: float = 0.2, cov_ratio: float = 2e-4,
@@ -212,7 +212,7 @@ def clip_cov(
     return _weighted(loss_B_T, weights_B_T), metrics
 
 
-@register_loss("kl_cov")
+@register_loss("kl_cov", verl="kl_cov")
 def kl_cov(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     cov_ratio: float = 2e-4, penalty_coef: float = 0.1,
@@ -251,7 +251,7 @@ def _dppo(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, weights_B_T, trusted
     return _weighted(loss_B_T, weights_B_T), metrics
 
 
-@register_loss("dppo_tv")
+@register_loss("dppo_tv", verl="dppo_tv")
 def dppo_tv(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     threshold_low: float = 0.15, threshold_high: float = 0.15, clip_c: float = 20.0,
@@ -268,7 +268,7 @@ def dppo_tv(
     return _dppo(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, weights_B_T, trusted_B_T, clip_c)
 
 
-@register_loss("dppo_kl")
+@register_loss("dppo_kl", verl="dppo_kl")
 def dppo_kl(
     logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None,
     threshold_low: float = 0.05, threshold_high: float = 0.05, clip_c: float = 20.0,
@@ -293,7 +293,7 @@ def dppo_kl(
     return _dppo(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, weights_B_T, trusted_B_T, clip_c)
 
 
-@register_loss("dro")
+@register_loss("dro", verl="dro")
 def dro(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None, beta: float):
     """DRO: the policy gradient with a quadratic penalty on the log-ratio instead of a clip.
 

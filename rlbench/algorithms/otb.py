@@ -1,4 +1,4 @@
-"""Optimal Token Baseline (ALGORITHMS.md §9): a per-group, per-position baseline weighted by realized energy.
+"""Optimal Token Baseline: a per-group, per-position baseline weighted by realized energy.
 
 verl 0.9.1 docs/algo/otb.md; Li et al., Optimal Token Baseline, arXiv:2602.07078. Both estimators read
 `sum_pi2_B_T` (`Σ_v π_v²` per token, from the policy's old-log-prob forward) and `old_logp_B_T`, and the
@@ -50,7 +50,7 @@ def _optimal_baseline(returns_B_T, energy_B_T, mask_B_T, group_ids, zero_tail: b
     return baseline_B_T
 
 
-@register_advantage("otb")
+@register_advantage("otb", verl="optimal_token_baseline")
 def otb(rewards_B_T, mask_B_T, *, group_ids, old_logp_B_T=None, sum_pi2_B_T=None, is_weights_B_T=None,
         zero_tail: bool = True, epsilon: float = 1e-8):
     """OTB: reward-to-go minus a per-token baseline, the group's returns weighted by their realized energy.
@@ -80,7 +80,7 @@ def _compaction(mask_B_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order_B_T, (torch.arange(mask_B_T.shape[1], device=mask_B_T.device) < lengths_B).to(mask_B_T.dtype)
 
 
-@register_advantage("tir_otb")
+@register_advantage("tir_otb", verl="tir_optimal_token_baseline")
 def tir_otb(rewards_B_T, mask_B_T, *, group_ids, old_logp_B_T=None, sum_pi2_B_T=None, is_weights_B_T=None,
             zero_tail: bool = True, epsilon: float = 1e-8):
     """TIR-OTB: OTB on each trajectory's compacted valid tokens (multi-turn: tool output between turns).

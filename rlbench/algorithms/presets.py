@@ -1,8 +1,8 @@
-"""The named presets of ALGORITHMS.md §8: `rlbench.algorithms.get(name)`; and the named rollout corrections
-of §6 and §9 (`Algorithm(correction="mis")`, `names("correction")`).
+"""The named presets: `rlbench.algorithms.get(name)`; and the named rollout corrections (`Algorithm(correction="mis")`,
+`names("correction")`). docs/algorithms.md lists both.
 
 A preset lists only what differs from the defaults of its parts (so `get("grpo").replace(loss=my_loss)`
-does not hand `my_loss` hyperparameters it never declared). Where the page says "per paper", the choice
+does not hand `my_loss` hyperparameters it never declared). Where a preset follows its paper, the choice
 is the paper's setting as run in verl's examples; each is stated in the description.
 """
 
@@ -109,36 +109,41 @@ register_algorithm(
     "token-mean. Agentic tasks only.",
 )
 
-# rollout corrections (ALGORITHMS.md §6, §9): verl 0.9.1's presets (docs/algo/rollout_corr.md), same thresholds
+# rollout corrections: verl 0.9.1's presets (docs/algo/rollout_corr.md), same thresholds
+_MISMATCH_STUDY = ("Liu, Li et al. 2025, \"When Speed Kills Stability: Demystifying RL Collapse from the "
+                   "Training-Inference Mismatch\", the study behind verl 0.9.1's rollout correction")
 register_correction(
-    "token_tis", RolloutCorrection(level="token", mode="tis", high=2.0),
+    "token_tis", RolloutCorrection(level="token", mode="tis", high=2.0), verl="decoupled_token_is",
     description="Token-level truncated IS: w_t = min(ρ_t, 2) (TIS: Yao et al. 2025, \"Your efficient RL framework "
-    "secretly brings you off-policy RL training\"; verl 0.9.1 rollout_corr preset decoupled_token_is).",
+    "secretly brings you off-policy RL training\").",
 )
 register_correction(
-    "seq_tis", RolloutCorrection(level="sequence", mode="tis", high=2.0),
+    "seq_tis", RolloutCorrection(level="sequence", mode="tis", high=2.0), verl="decoupled_seq_is",
     description="Sequence-level truncated IS: w = min(Π_t ρ_t, 2) on every token of the sequence (TIS: Yao et al. "
-    "2025; verl 0.9.1 rollout_corr preset decoupled_seq_is).",
+    "2025).",
 )
 register_correction(
     "icepop", RolloutCorrection(level="token", mode="mask", low=0.5, high=5.0),
-    description="IcePop (Ring-1T report, 2025): token weights w_t = ρ_t·1[0.5 ≤ ρ_t ≤ 5], 0 outside the band "
-    "(α = 0.5, β = 5 as in the report; in verl 0.9.1, token rollout_is with the band \"0.5_5.0\").",
+    verl='rollout_is=token, rollout_is_threshold="0.5_5.0"',
+    description="IcePop (Ring-1T report, arXiv:2510.18855): token weights w_t = ρ_t·1[0.5 ≤ ρ_t ≤ 5], 0 outside the "
+    "band (α = 0.5, β = 5 as in the report).",
 )
 register_correction(
     "mis", RolloutCorrection(level="sequence", mode="tis", high=2.0,
                              reject=(Rejection("k1", "seq_sum", low=0.5, high=2.0),)),
-    description="MIS (verl 0.9.1 rollout_corr preset decoupled_seq_is_rs): sequence IS w = min(Π_t ρ_t, 2), and a "
-    "sequence is dropped unless its k1 sum -Σ_t log ρ_t lies in [log 0.5, log 2] (rollout_rs seq_sum_k1 \"0.5_2.0\").",
+    verl='decoupled_seq_is_rs (rollout_is=sequence, rollout_rs=seq_sum_k1 "0.5_2.0")',
+    description="MIS, sequence IS with rejection: w = min(Π_t ρ_t, 2), and a sequence is dropped unless its k1 sum "
+    f"-Σ_t log ρ_t lies in [log 0.5, log 2] ({_MISMATCH_STUDY}).",
 )
 register_correction(
     "geo_reject", RolloutCorrection(mode=None, reject=(Rejection("k1", "seq_mean", low=0.999, high=1.001),)),
-    description="Geometric-mean rejection (verl 0.9.1 rollout_corr preset decoupled_geo_rs): no IS weights; a "
-    "sequence is dropped unless -mean_t log ρ_t lies in [log 0.999, log 1.001], i.e. its geometric-mean ratio "
-    "exp(mean_t log ρ_t) lies in [1/1.001, 1/0.999] (rollout_rs seq_mean_k1 \"0.999_1.001\").",
+    verl='decoupled_geo_rs (rollout_rs=seq_mean_k1 "0.999_1.001")',
+    description="Geometric-mean rejection: no IS weights; a sequence is dropped unless -mean_t log ρ_t lies in "
+    "[log 0.999, log 1.001], i.e. its geometric-mean ratio exp(mean_t log ρ_t) lies in [1/1.001, 1/0.999] "
+    f"({_MISMATCH_STUDY}).",
 )
 
-# bypass mode (ALGORITHMS.md §9): after the corrections, which grpo_bypass_pg names
+# bypass mode: after the corrections, which grpo_bypass_pg names
 register_algorithm(
     "grpo_bypass", advantage="grpo", loss="ppo_clip", reduction="seq-mean-token-mean", kl_coef=0.001, bypass="ppo_clip",
     description="GRPO (arXiv:2402.03300) in verl 0.9.1's bypass mode (preset bypass_ppo_clip): the sampler's "

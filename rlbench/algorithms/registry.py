@@ -1,7 +1,9 @@
 """Names → parts, and `Algorithm`: the record that bundles the parts an RL step needs.
 
-Four registries: advantage estimators, policy losses, algorithms (presets), rollout corrections. A name is
-taken once: registering it again with the same object is a no-op, with a different one a `ValueError`. One
+Four registries: advantage estimators, policy losses, algorithms (presets), rollout corrections. An advantage, a
+loss or a correction may record `verl=`: verl 0.9.1's name for the same thing (its registry name, or the config
+that selects it), which `describe` prints and docs/algorithms.md lists. A name is taken once: registering it
+again with the same object is a no-op, with a different one a `ValueError`. One
 exception keeps notebooks re-runnable: a function defined in `__main__` (a notebook cell or a script) replaces
 an earlier `__main__` function of the same `__qualname__` under the same name, and an algorithm or a
 correction registered from `__main__` replaces one registered from `__main__` under the same name.
@@ -55,6 +57,7 @@ class _Entry:
     origin: str  # module that defined the function, or that registered the algorithm
     reduction: str | None = None
     description: str = ""  # a rollout correction's formula and source
+    verl: str | None = None  # verl 0.9.1's name or config for the same part; None where verl has none
 
 
 _TABLES: dict[str, dict[str, _Entry]] = {"algorithm": {}, "advantage": {}, "loss": {}, "correction": {}}
@@ -80,13 +83,15 @@ def _register(kind: str, name: str, entry: _Entry) -> None:
         and old.origin == entry.origin == "__main__"
         and getattr(old.obj, "__qualname__", name) == getattr(entry.obj, "__qualname__", name)
     )
-    same = old is not None and (old.obj, old.reduction, old.description) == (entry.obj, entry.reduction,
-                                                                          entry.description)
+    same = (old is not None and (old.obj, old.reduction, old.description) == (entry.obj, entry.reduction,
+                                                                              entry.description)
+            and entry.verl in (None, old.verl))
     if old is not None and not same and not rerun:
         raise ValueError(
             f"{kind} {name!r} is already registered ({_label(old.obj)} from {old.origin}); pick another name"
         )
-    _TABLES[kind][name] = entry
+    if not same:  # the same part again is a no-op: it keeps its origin and its verl name
+        _TABLES[kind][name] = entry
 
 
 def _lookup(kind: str, name: str):
@@ -96,31 +101,36 @@ def _lookup(kind: str, name: str):
     return table[name].obj
 
 
-def register_advantage(name: str, fn: Callable | None = None):
+def register_advantage(name: str, fn: Callable | None = None, *, verl: str | None = None):
     """Register an advantage estimator; usable as `@register_advantage("x")` or `register_advantage("x", fn)`.
 
     Contract: `fn(rewards_B_T, mask_B_T, *, <the ADVANTAGE_DATA it reads>, **hparams) -> (advantages_B_T,
     returns_B_T)`, both 0 on invalid tokens; it receives only the data keywords it declares.
+
+    `verl`: the name of the same estimator in verl 0.9.1 (`algorithm.adv_estimator`), if it has one.
     """
     if fn is None:
-        return lambda f: register_advantage(name, f)
-    _register("advantage", name, _Entry(fn, fn.__module__))
+        return lambda f: register_advantage(name, f, verl=verl)
+    _register("advantage", name, _Entry(fn, fn.__module__, verl=verl))
     return fn
 
 
-def register_loss(name: str, fn: Callable | None = None, *, reduction: str | None = None):
+def register_loss(name: str, fn: Callable | None = None, *, reduction: str | None = None, verl: str | None = None):
     """Register a policy loss; usable as a decorator or a call, like `register_advantage`.
 
     Contract: `fn(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, *, weights_B_T=None, **hparams) ->
     (loss_B_T, metrics)`: the unreduced per-token loss (times `weights_B_T` when given) and 0-d detached
-    metrics. `weights_B_T` is optional: a loss without it cannot be used with rollout correction. `reduction` is the mode the paper fixes (an `Algorithm` using this loss then reduces with it),
-    or None to leave it to the algorithm.
+    metrics. `weights_B_T` is optional: a loss without it cannot be used with rollout correction.
+
+    `reduction` is the mode the paper fixes (an `Algorithm` using this loss then reduces with it), or None to
+    leave it to the algorithm. `verl`: the name of the same loss in verl 0.9.1 (`actor.policy_loss.loss_mode`),
+    if it has one.
     """
     if reduction is not None and reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction mode {reduction!r}; valid: {', '.join(REDUCTIONS)}")
     if fn is None:
-        return lambda f: register_loss(name, f, reduction=reduction)
-    _register("loss", name, _Entry(fn, fn.__module__, reduction))
+        return lambda f: register_loss(name, f, reduction=reduction, verl=verl)
+    _register("loss", name, _Entry(fn, fn.__module__, reduction, verl=verl))
     return fn
 
 
@@ -135,13 +145,16 @@ def register_algorithm(algorithm_or_name: Algorithm | str, **fields) -> Algorith
     return algorithm
 
 
-def register_correction(name: str, correction: RolloutCorrection, *, description: str = "") -> RolloutCorrection:
+def register_correction(name: str, correction: RolloutCorrection, *, description: str = "",
+                        verl: str | None = None) -> RolloutCorrection:
     """Register a `RolloutCorrection` under a name, usable as `Algorithm(correction=name)`; `description`
-    gives its formula and source (`describe(name)` shows it). Returns the correction."""
+    gives its formula and source (`describe(name)` shows it), `verl` the same correction in verl 0.9.1 (a
+    `RolloutCorrectionConfig` preset, or the `algorithm.rollout_correction` settings), if it has one. Returns the
+    correction."""
     if not isinstance(correction, RolloutCorrection):
         raise TypeError(f"register_correction takes a RolloutCorrection, got {type(correction).__name__}")
     _register("correction", name, _Entry(correction, sys._getframe(1).f_globals.get("__name__", ""),
-                                         description=description))
+                                         description=description, verl=verl))
     return correction
 
 
@@ -193,6 +206,10 @@ def hyperparameters(fn: Callable) -> dict[str, object]:
     return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name not in DATA_KEYWORDS}
 
 
+def _verl_line(entry: _Entry | None) -> list[str]:
+    return [] if entry is None or entry.verl is None else [f"verl: `{entry.verl}`"]
+
+
 def _describe_fn(fn: Callable, kind: str) -> str:
     hparams = ", ".join(
         f"{name} (required)" if default is inspect.Parameter.empty else f"{name}={default!r}"
@@ -201,13 +218,15 @@ def _describe_fn(fn: Callable, kind: str) -> str:
     lines = [f"{_label(fn)} ({kind})", inspect.getdoc(fn) or "(no docstring)", f"Hyperparameters: {hparams or 'none'}"]
     if kind == "loss" and loss_reduction(fn) is not None:
         lines.append(f"Reduction: {loss_reduction(fn)} (fixed by the paper)")
-    return "\n".join(lines)
+    entry = next((e for e in _TABLES.get(kind, {}).values() if e.obj is fn), None)
+    return "\n".join(lines + _verl_line(entry))
 
 
 def _describe_correction(correction: RolloutCorrection) -> str:
     name, entry = next(((n, e) for n, e in _TABLES["correction"].items() if e.obj == correction),
                        ("unregistered", None))
-    return "\n".join([f"{name} (correction)", entry.description if entry else "(no description)", repr(correction)])
+    return "\n".join([f"{name} (correction)", entry.description if entry else "(no description)", repr(correction)]
+                     + _verl_line(entry))
 
 
 def describe(name: str | Callable | Algorithm | RolloutCorrection) -> str:
@@ -428,7 +447,7 @@ class Algorithm:
         num_seqs=None,
         norm_length: int | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """`agg(L) - entropy_coef·agg(H) + kl_coef·agg(kl(logp, ref_logp))` (ALGORITHMS.md §2) and metrics,
+        """`agg(L) - entropy_coef·agg(H) + kl_coef·agg(kl(logp, ref_logp))` and metrics,
         `+ forward_kl_coef·agg(D)` with on-policy distillation's forward KL (`topk_logp_B_T_K`: the student's
         log-probs at the teacher's top-k ids, `teacher_topk_logp_B_T_K`: the teacher's; see `forward_kl_topk`).
 

@@ -1,4 +1,4 @@
-"""Sampling-side pieces of DAPO (ALGORITHMS.md §7): dynamic sampling's group filter, overlong shaping.
+"""Sampling-side pieces of DAPO: dynamic sampling's group filter, overlong shaping.
 
 Yu et al., DAPO, arXiv:2503.14476.
 """
