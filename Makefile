@@ -5,6 +5,8 @@
 # build, ~2.5 min and 3.4 GB once), VLLM_EXTRA=vllm on a GPU machine (with a CUDA TORCH_SPEC), VLLM_EXTRA= for none.
 
 PYTHON ?= python3
+# pytest-xdist processes for `make test` (0: one process)
+TEST_WORKERS ?= 2
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
@@ -33,8 +35,10 @@ endif
 demo: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m rlbench.quickstart $(DEMO_ARGS)
 
+# Each test runs with one torch thread (tests/conftest.py); a worker takes a whole file at a time, so a file's
+# module fixtures (a Ray instance, built models, a kernel) are made once. TEST_WORKERS=0 runs in one process.
 test: venv vllm
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 # JupyterLab refuses to start as root unless told to: as root (a container), --allow-root is added
 lab: venv

@@ -58,6 +58,17 @@ def _run_in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+LONGEST_FIRST = ["test_ray.py", "test_notebooks.py", "test_cli.py", "test_interrupts.py", "test_zoo_training.py",
+                 "test_agents.py", "test_tiny_tools.py", "test_vllm.py", "test_benchmarks_scaling.py"]
+"""The files that take longest (`--durations` of a whole run): run first, so that under pytest-xdist (`make test`
+runs two workers, a file per worker at a time) no long file starts last while the other worker idles."""
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_terminal_summary(terminalreporter):
     """Say which code-sandbox modes this machine has, when the run used the sandbox (tests/test_sandbox.py runs
     its attacks against every kernel mode available)."""

@@ -138,18 +138,37 @@ def test_pass_and_majority_on_hand_worked_samples():
     assert pass_and_majority(correct, answers) == (2 / 3, 1 / 3)
 
 
+HELP_OF_EVERY_COMMAND = """
+import argparse, contextlib, io, json
+from rlbench import cli
+parser = cli._parser()
+names = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+usages = {}
+for args in [["--help"]] + [[name, "--help"] for name in names]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        cli.main(args)
+    usages[" ".join(args)] = out.getvalue()
+print(json.dumps(usages))
+"""
+
+
 def test_every_command_answers_help_in_a_subprocess():
-    """The README's first command is `python -m rlbench.quickstart`: it and every `rlbench` subcommand start and
-    print their usage (the quickstart once failed at import, registering a model twice when run as __main__)."""
-    commands = {"quickstart": ["-m", "rlbench.quickstart", "--help"], "rlbench": ["-m", "rlbench.cli", "--help"]}
-    subcommands = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
-    commands |= {f"rlbench {name}": ["-m", "rlbench.cli", name, "--help"] for name in subcommands}
-    assert set(subcommands) == {"run", "reproduce", "eval", "sweep", "leaderboard", "bench"}
-    running = {name: subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True) for name, args in commands.items()}
-    for name, process in running.items():
-        stdout, stderr = process.communicate(timeout=120)
-        assert process.returncode == 0 and stdout.startswith("usage: "), (name, stderr[-2000:])
+    """The README's first command is `python -m rlbench.quickstart`: it and every `rlbench` subcommand start in a
+    fresh process and print their usage (the quickstart once failed at import, registering a model twice when run as
+    __main__)."""
+    quickstart = subprocess.Popen([sys.executable, "-m", "rlbench.quickstart", "--help"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+    console = rlbench("--help")
+    assert console.returncode == 0 and console.stdout.startswith("usage: rlbench "), console.stderr[-2000:]
+    usages = json.loads(subprocess.run([sys.executable, "-c", HELP_OF_EVERY_COMMAND], capture_output=True, text=True,
+                                       timeout=120, check=True).stdout)
+    assert sorted(usages) == ["--help", "bench --help", "eval --help", "leaderboard --help", "reproduce --help",
+                              "run --help", "sweep --help"]
+    for args, usage in usages.items():
+        assert usage.startswith(f"usage: rlbench {args.removesuffix('--help')}"), (args, usage[:200])
+    stdout, stderr = quickstart.communicate(timeout=120)
+    assert quickstart.returncode == 0 and stdout.startswith("usage: python -m rlbench.quickstart "), stderr[-2000:]
 
 
 def test_the_quickstart_runs_as_a_module_with_overrides():

@@ -47,7 +47,11 @@ def execute(path: Path, kernel_dirs: list[str], folder: Path, kernel: str = "rlb
 def run(nb, kernel_dirs: list[str], folder: Path, kernel: str = "rlbench-test"):
     """The notebook `nb`, run top to bottom in `folder` by `kernel` (its outputs filled in)."""
     kernels = KernelManager(kernel_name=kernel, kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
-    NotebookClient(nb, km=kernels, timeout=300, resources={"metadata": {"path": str(folder)}}).execute()
+    try:
+        NotebookClient(nb, km=kernels, timeout=300, resources={"metadata": {"path": str(folder)}}).execute()
+    finally:  # a client given its kernel manager leaves the kernel running (and spinning a core) when done
+        if kernels.has_kernel:
+            kernels.shutdown_kernel(now=True)
     return nb
 
 

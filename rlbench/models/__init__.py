@@ -32,9 +32,9 @@ __all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "builder",
 
 _BUILTINS: dict[str, Callable[[int], Path] | str] = {tiny_arith.NAME: tiny_arith.ensure_built,
                                                       tiny_arith.SMALL_NAME: tiny_arith.ensure_built_small,
-                                                      tiny_arith.GRPO_NAME: "rlbench.quickstart:teacher",
                                                       tiny_mix.NAME: tiny_mix.ensure_built,
-                                                      tiny_tools.NAME: tiny_tools.ensure_built}
+                                                      tiny_tools.NAME: tiny_tools.ensure_built,
+                                                      tiny_arith.GRPO_NAME: "rlbench.quickstart:teacher"}
 """Built-in model name -> function of the seed returning its (cached, built on demand) directory, or where that
 function lives (`"module:function"`) when an RL run of the layers above builds it (tiny-arith-grpo, the quickstart's
 trained model): that module is imported when the name is first resolved, so importing rlbench imports no top-floor
