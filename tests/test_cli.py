@@ -224,3 +224,21 @@ def test_dry_run_of_the_lora_gsm8k_recipe_shows_its_adapter():
     settings = last_json(result.stdout)
     assert settings["steps"] == 1752 and settings["session"]["prompts_per_step"] == 64
     assert settings["session"]["lora"] == {"rank": 16, "alpha": 32, "target_modules": "all-linear", "dropout": 0.0}
+
+
+def test_ci_checks_the_quickstarts_closing_line(tmp_path):
+    """.ci/run runs `make demo`, then .ci/check_demo.py on its output: exit 0 only for a closing JSON result whose
+    held-out accuracy went up."""
+    result = {"steps": 300, "seed": 0, "train_seconds": 40.1, "accuracy_before": 0.315, "accuracy_after": 0.8,
+              "sampled_accuracy_before": 0.12, "sampled_accuracy_after": 0.7, "reward_curve": "runs/q/reward_curve.png"}
+    cases = {"learned": (json.dumps(result), 0, "quickstart: greedy accuracy 0.315 -> 0.8 after 300 steps"),
+             "flat": (json.dumps(result | {"accuracy_after": 0.315}), 1, "the quickstart did not learn"),
+             "crashed": ("Traceback (most recent call last):\nValueError: boom", 1, "is not its JSON result"),
+             "other keys": (json.dumps({"steps": 3}), 1, "the quickstart's result has keys ['steps']"),
+             "empty": ("", 1, "the quickstart printed nothing")}
+    for name, (text, code, message) in cases.items():
+        log = tmp_path / f"{name}.log"
+        log.write_text(f"step    0  reward 0.1\n{text}\n" if text else "")
+        out = subprocess.run([sys.executable, str(REPO / ".ci" / "check_demo.py"), str(log)], capture_output=True,
+                             text=True)
+        assert out.returncode == code and message in out.stdout + out.stderr, (name, out.stdout, out.stderr)
