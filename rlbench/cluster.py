@@ -20,6 +20,7 @@ import os
 import secrets
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -246,10 +247,29 @@ def acquire_ray(spec: Ray, cpus_needed: float) -> None:
         if address:  # a cluster's auth settings come from the environment it was started with
             ray.init(address=address, log_to_driver=False)
         else:
-            cpus = spec.num_cpus or max(os.cpu_count() or 1, int(-(-cpus_needed // 1)))
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            _start_private(spec.num_cpus or max(os.cpu_count() or 1, int(-(-cpus_needed // 1))))
         _OWNED["started"] = True
     _OWNED["sessions"] += 1
+
+
+PRIVATE_START_TRIES = 3
+"""Starts of a private Ray instance before giving up: Ray gives a new node's raylet 30 s (not configurable) to
+register, which a loaded machine (two cores busy with training) can miss."""
+
+
+def _start_private(cpus: int) -> None:
+    import ray
+
+    for attempt in range(1, PRIVATE_START_TRIES + 1):
+        try:
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as e:  # Ray raises a bare Exception for this one
+            if "timed out during startup" not in str(e) or attempt == PRIVATE_START_TRIES:
+                raise
+            ray.shutdown()
+            warnings.warn(f"the private Ray instance did not start ({e}); starting it again "
+                          f"({PRIVATE_START_TRIES - attempt} more tries)", stacklevel=3)
 
 
 def check_resources(cpus: float, gpus: float, what: str) -> None:
