@@ -47,10 +47,11 @@ def at_k(batch: Batch, prompts: int) -> dict[str, float]:
 
     A sample is correct when its accuracy is above 0; its answer is the last number of its completion (the text
     itself when it has none). See `pass_and_majority`."""
-    correct_B, groups = (accuracy(batch) > 0).tolist(), batch["group_ids"].tolist()
-    answers_B = [extract_gsm8k(text, "flexible") or text.strip() for text in batch["completion"]]
-    correct = [[c for c, g in zip(correct_B, groups) if g == i] for i in range(prompts)]
-    answers = [[a for a, g in zip(answers_B, groups) if g == i] for i in range(prompts)]
+    correct: list[list[bool]] = [[] for _ in range(prompts)]
+    answers: list[list[str]] = [[] for _ in range(prompts)]
+    for ok, group, text in zip((accuracy(batch) > 0).tolist(), batch["group_ids"].tolist(), batch["completion"]):
+        correct[group].append(ok)  # one pass over the samples, grouped by prompt
+        answers[group].append(extract_gsm8k(text, "flexible") or text.strip())
     k = len(batch) // prompts
     return dict(zip((f"pass@{k}", f"maj@{k}"), pass_and_majority(correct, answers)))
 
