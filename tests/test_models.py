@@ -1,6 +1,9 @@
 """rlbench.models: the offline tokenizer, the tiny-arith build and cache, resolve() and load()."""
 
+import concurrent.futures
 import json
+import threading
+import time
 import unicodedata
 from pathlib import Path
 
@@ -139,6 +142,32 @@ def test_build_is_deterministic(cached, tmp_path, monkeypatch):
 def test_resolve_reuses_the_cache(cached, monkeypatch):
     monkeypatch.setattr(tiny_arith, "train_tiny_arith", pytest.fail)
     assert models.resolve("tiny-arith") == cached
+
+
+def test_a_second_builder_waits_for_the_first_instead_of_training_again(cached, tmp_path, monkeypatch, capfd):
+    """Two resolves of a missing model at once (two test workers, two notebooks): one trains, the other waits on the
+    build lock (saying so) and returns the first's directory."""
+    monkeypatch.setenv("RLBENCH_CACHE", str(tmp_path))
+    started, release, trained = threading.Event(), threading.Event(), []
+
+    def train(seed):
+        trained.append(seed)
+        started.set()
+        assert release.wait(60)
+        return models.build_tiny_model(seed), models.build_tokenizer()
+
+    monkeypatch.setattr(tiny_arith, "train_tiny_arith", train)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(models.resolve, "tiny-arith")
+        assert started.wait(60)
+        second = pool.submit(models.resolve, "tiny-arith")
+        deadline = time.monotonic() + 60
+        while "waiting for another process building" not in capfd.readouterr().err:
+            assert time.monotonic() < deadline and not second.done(), "the second resolve did not wait on the lock"
+            time.sleep(0.05)
+        release.set()
+        assert first.result() == second.result() == tiny_arith.cache_dir(seed=0)
+    assert trained == [0]
 
 
 def test_builder_that_loses_the_race_uses_the_winners_directory(cached, tmp_path, monkeypatch):

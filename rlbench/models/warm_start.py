@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
+import hashlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -31,26 +34,49 @@ def build_cached(final: Path, train: Callable[[], tuple[PreTrainedModel, PreTrai
     """`final`, after building it with `train()` if it has no config.json yet.
 
     Built into a temporary directory next to the final one, then renamed into place, so a directory
-    under its final name is always complete; of two concurrent builders, the loser uses the winner's.
+    under its final name is always complete. A second process of this machine asking for it meanwhile waits
+    for the first's build instead of training it again (`_building`); of two builders that do not see each
+    other's lock (two machines sharing the cache), the loser uses the winner's.
     """
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        model, tokenizer = train()
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes it private; make it an ordinary directory
-            path.chmod(0o755 if path.is_dir() else 0o644)
+    with _building(final):
+        if (final / "config.json").is_file():  # built by the process that held the lock
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            model, tokenizer = train()
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes it private; make it an ordinary directory
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / "config.json").is_file():  # not a lost race: a real failure
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def _building(final: Path) -> Iterator[None]:
+    """Holds this machine's lock on building `final` (a file lock in the temp folder, named for its path, so the
+    cache holds models only); says so on stderr when it has to wait. The kernel drops the lock of a builder that
+    dies, so a crashed build never blocks the next."""
+    key = hashlib.sha256(str(final.resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"rlbench-build-{key}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process building {final}", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def text_sft_tensors(tokenizer: PreTrainedTokenizerBase,
