@@ -98,8 +98,12 @@ class WorkerGroup:
     # ------------------------------------------------------------------------------ calls
     def build(self, name: str, factory: Callable, kwargs_per_rank: list[dict]) -> None:
         """Construct `factory(**kwargs_per_rank[r])` on every rank r under `name`."""
-        self._get([self._send(h, "build", name, factory, kw) for h, kw in zip(self._open(), kwargs_per_rank)],
-                  f"building {name}")
+        self.start_build(name, factory, kwargs_per_rank).result()
+
+    def start_build(self, name: str, factory: Callable, kwargs_per_rank: list[dict]) -> Pending:
+        """`build` without waiting for it: on Ray, the groups of a session then load their models at once."""
+        return Pending(self, [self._send(h, "build", name, factory, kw) for h, kw in zip(self._open(), kwargs_per_rank)],
+                       f"building {name}")
 
     def call(self, name: str, method: Callable, *args, **kwargs) -> list:
         """`objects[name].method(*args, **kwargs)` on every rank at once; one result per rank."""

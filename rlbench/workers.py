@@ -366,59 +366,69 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
         return [common | kwargs | dict(rank=r, world_size=workers.size, init_method=address)
                 for r in range(workers.size)]
 
+    # every group's processes first, so that they all start (import, connect) at once; then every build at once
     policy = group("policy", cfg.world_size)
-    policy.build("policy", Policy, ranks(policy, optim=optim, temperature=cfg.temperature, precision=cfg.precision,
-                                         activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora,
-                                         seed=cfg.seed))
-    reference = critic = None
-    if algorithm.needs_reference and cfg.lora is not None:  # the policy with its adapter off: no second copy
-        reference = ReferenceHandle(policy, "policy", Policy.reference_log_probs)
-    elif algorithm.needs_reference:
-        workers = group("reference", cfg.world_size) if separate else policy
-        workers.build("reference", Reference, ranks(workers, temperature=cfg.temperature))
-        reference = ReferenceHandle(workers)
-    teacher = None
-    if teacher_dir is not None:  # its top-k stays within the policy's ids (a larger embedding's padding rows)
-        workers = group("teacher", cfg.world_size) if separate else policy
-        workers.build("teacher", Reference, ranks(workers, model_dir=teacher_dir, temperature=cfg.temperature,
-                                                  vocab=len(tokenizer)))
-        teacher = ReferenceHandle(workers, "teacher")
-    if algorithm.needs_critic:
-        critic = group("critic", cfg.world_size) if separate else policy
-        critic.build("critic", Critic, ranks(critic, seed=cfg.seed, optim=dataclasses.replace(
-            optim, lr=cfg.critic_lr or cfg.lr)))
+    lora_reference = algorithm.needs_reference and cfg.lora is not None  # the policy with its adapter off
+    own = {"reference": algorithm.needs_reference and not lora_reference, "teacher": teacher_dir is not None,
+           "critic": algorithm.needs_critic}
+    on = {part: (group(part, cfg.world_size) if separate else policy) for part, wanted in own.items() if wanted}
     factory, kwargs, choice, why = _sampler_factory(cfg, model_dir, device)
-    if cfg.rollout_mode == "async":  # N rollout workers, each a sampler that takes new weights mid-generation
-        def rollout_group(i: int) -> WorkerGroup:
-            workers = group(f"rollout-{i}", 1, concurrency=4)  # a rollout, a weights push, an evaluation at once
-            workers.build("sampler", _partial_rollouts, [dict(factory=factory, kwargs=kwargs)])
-            return workers
+    samplers = [group(f"rollout-{i}", 1, concurrency=4) for i in range(cfg.rollout_workers)] \
+        if cfg.rollout_mode == "async" else [group("sampler", 1)]  # async: a rollout, a weights push, an evaluation
+    agentic = isinstance(task, tasks.AgentTask)
+    last = group("envs" if agentic else "rewards", 1)
 
+    builds = [policy.start_build("policy", Policy, ranks(
+        policy, optim=optim, temperature=cfg.temperature, precision=cfg.precision,
+        activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora, seed=cfg.seed))]
+    if "reference" in on:
+        builds.append(on["reference"].start_build("reference", Reference, ranks(on["reference"],
+                                                                                temperature=cfg.temperature)))
+    if "teacher" in on:  # its top-k stays within the policy's ids (a larger embedding's padding rows)
+        builds.append(on["teacher"].start_build("teacher", Reference, ranks(
+            on["teacher"], model_dir=teacher_dir, temperature=cfg.temperature, vocab=len(tokenizer))))
+    if "critic" in on:
+        builds.append(on["critic"].start_build("critic", Critic, ranks(on["critic"], seed=cfg.seed, optim=dataclasses.replace(
+            optim, lr=cfg.critic_lr or cfg.lr))))
+    if cfg.rollout_mode == "async":  # rollout workers: samplers that take new weights mid-generation
+        builds += [workers.start_build("sampler", _partial_rollouts, [dict(factory=factory, kwargs=kwargs)])
+                   for workers in samplers]
+    else:
+        builds.append(samplers[0].start_build("sampler", factory, [kwargs]))
+    if agentic:
+        builds.append(last.start_build("envs", EnvPool, [dict(env=task.env, tools=task.tools, reward=task.reward,
+                                                              system=task.system, tool_timeout_s=task.tool_timeout_s)]))
+    else:
+        builds.append(last.start_build("rewards", TaskScorer, [dict(
+            task=task, on_error=cfg.on_reward_error, timeout_s=cfg.reward_timeout_s, workers=cfg.reward_workers,
+            processes=cfg.reward_processes)]))
+    for pending in builds:
+        pending.result()
+
+    reference = ReferenceHandle(policy, "policy", Policy.reference_log_probs) if lora_reference else \
+        ReferenceHandle(on["reference"]) if "reference" in on else None
+    teacher = ReferenceHandle(on["teacher"], "teacher") if "teacher" in on else None
+    critic = on.get("critic")
+    if cfg.rollout_mode == "async":
         def restart_rollout(i: int) -> SamplerHandle:  # the same handle, over a new worker
             dead = rollout[i].workers
             dead.close()
             groups.remove(dead)
-            rollout[i].workers = rollout_group(i)
+            workers = group(f"rollout-{i}", 1, concurrency=4)
+            workers.build("sampler", _partial_rollouts, [dict(factory=factory, kwargs=kwargs)])
+            rollout[i].workers = workers  # once built: other threads use the handle meanwhile
             return rollout[i]
 
-        rollout = [SamplerHandle(rollout_group(i), tokenizer, choice, why) for i in range(cfg.rollout_workers)]
+        rollout = [SamplerHandle(workers, tokenizer, choice, why) for workers in samplers]
         sampler = rollout[0]
     else:
         rollout = restart_rollout = None
-        sampler = group("sampler", 1)
-        sampler.build("sampler", factory, [kwargs])
-        sampler = SamplerHandle(sampler, tokenizer, choice, why)
+        sampler = SamplerHandle(samplers[0], tokenizer, choice, why)
     scorer = episodes = None
-    if isinstance(task, tasks.AgentTask):
-        envs = group("envs", 1)
-        envs.build("envs", EnvPool, [dict(env=task.env, tools=task.tools, reward=task.reward, system=task.system,
-                                          tool_timeout_s=task.tool_timeout_s)])
-        episodes = _episode_runner(cfg, task, model_dir, tokenizer, sampler, EnvHandle(envs))
+    if agentic:
+        episodes = _episode_runner(cfg, task, model_dir, tokenizer, sampler, EnvHandle(last))
     else:
-        rewards = group("rewards", 1)
-        rewards.build("rewards", TaskScorer, [dict(task=task, on_error=cfg.on_reward_error, timeout_s=cfg.reward_timeout_s,
-                                                   workers=cfg.reward_workers, processes=cfg.reward_processes)])
-        scorer = ScorerHandle(rewards)
+        scorer = ScorerHandle(last)
     return Workers(policy=PolicyHandle(policy, algorithm, cfg.max_new_tokens), sampler=sampler,
                    scorer=scorer, episodes=episodes, reference=reference, teacher=teacher,
                    critic=critic and CriticHandle(critic, algorithm, cfg.max_new_tokens),
