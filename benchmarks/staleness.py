@@ -1,7 +1,7 @@
 """Staleness lab: what training on samples drawn by older weights does to held-out accuracy, and what it buys in time.
 
-The same seeds are trained synchronously, one step off (`rollout_mode="overlap"`) and asynchronously with at most
-K = 1, 2, 4, 8 updates of staleness (`rollout_mode="async"`), each with rollout correction (token TIS) and without
+The same seeds are trained synchronously, one step off (`rl.Overlap()`) and asynchronously with at most
+K = 1, 2, 4, 8 updates of staleness (`rl.Async(max_staleness=K)`), each with rollout correction (token TIS) and without
 (`correction=None`: PPO's ratio and clip against the weights that sampled), on arithmetic (tiny-arith) and countdown
 (tiny-mix). Every run records, per step, the sampler-trainer KL and the staleness, and every `--eval-every` steps the
 held-out greedy and sampled accuracy, against steps and against the training clock (evaluation not counted).
@@ -82,9 +82,9 @@ class Run:
         grpo = rl.algorithms.get("grpo")
         algorithm = {"grpo": grpo, "gpg": grpo.replace(name="grpo_gpg", loss="gpg", loss_kwargs={}),
                      "unclipped": grpo.replace(name="grpo_unclipped", loss_kwargs=UNCLIPPED)}[self.loss]
-        extra = dict(max_staleness=self.staleness) if self.mode == "async" else {}
+        rollout = {"sync": rl.Sync(), "overlap": rl.Overlap()}.get(self.mode) or rl.Async(max_staleness=self.staleness)
         return rl.Session(task=self.task, **TASKS[self.task], **COMMON, cluster=cluster, seed=self.seed,
-                          algorithm=algorithm, rollout_mode=self.mode, correction=self.correction, **extra)
+                          algorithm=algorithm, rollout=rollout, correction=self.correction)
 
 
 def plan(tasks: list[str], seeds: list[int], findings: bool) -> list[Run]:

@@ -30,7 +30,8 @@ def main():
     s = rl.Session(model="tiny-arith", task="arithmetic", algorithm=algorithm, cluster="inline",
                    prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, threads=args.threads, seed=0,
                    log_dir=None, on_policy_old_logp=args.on_policy_old_logp,
-                   rollout_mode=args.rollout_mode, precision=args.precision)
+                   rollout={"sync": rl.Sync(), "overlap": rl.Overlap(), "async": rl.Async()}[args.rollout_mode],
+                   precision=args.precision)
     s.run(args.steps + 2, progress=False)
     timings = s.metrics.iloc[2:].filter(like="time_").median()
     tokens = s.metrics.iloc[2:]["response_length"].median() * 16 * 8

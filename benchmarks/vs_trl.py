@@ -9,7 +9,7 @@ step per batch, one torch thread, fp32 or (--precision bf16, TRL's default) bflo
 Each draws its prompts from the same 7,900 training examples in its own seeded order.
 
 rlbench runs twice: "rlbench" is the synchronous loop on one core, like TRL; "rlbench_overlap" sets
-`rollout_mode="overlap"` (the next batch is sampled on a second core while the update runs: one step
+`rollout=rl.Overlap()` (the next batch is sampled on a second core while the update runs: one step
 off-policy). Prints one JSON line: per run the median s/step (steps after the first two, all seeds), the
 stage split (stages overlap in rlbench_overlap), generated tokens/s during generation, greedy held-out
 accuracy before / after per seed; then each rlbench run's ratios to TRL.
@@ -77,7 +77,7 @@ def run_rlbench(seed: int, steps: int, precision: str, overlap: bool) -> dict:
     algorithm = rl.algorithms.get("grpo").replace(kl_coef=0.0)
     with rl.Session(model="tiny-arith", task="arithmetic", algorithm=algorithm, cluster="inline", threads=1,
                     seed=seed, log_dir=None, precision=precision, on_policy_old_logp=not overlap,
-                    rollout_mode="overlap" if overlap else "sync", **SETTING) as s:
+                    rollout=rl.Overlap() if overlap else rl.Sync(), **SETTING) as s:
         before = s.evaluate()["greedy_accuracy"]
         metrics = s.run(steps, progress=False).iloc[WARMUP_STEPS:]
         after = s.evaluate()["greedy_accuracy"]

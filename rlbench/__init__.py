@@ -17,6 +17,7 @@ from rlbench.cluster import Ray  # noqa: E402
 from rlbench.config import Config  # noqa: E402
 from rlbench.lora import LoRA  # noqa: E402
 from rlbench.session import Session  # noqa: E402
+from rlbench.sources import Async, Overlap, RolloutMode, RolloutSource, Sync  # noqa: E402
 
 # torch._dynamo, imported with transformers' model classes, writes TORCHINDUCTOR_CACHE_DIR into the environment
 # when first imported: put the environment back as it was (torch sets the variable again if it compiles)
@@ -25,7 +26,7 @@ for _name in set(os.environ) - set(_environment):
 os.environ.update(_environment)
 del _environment
 
-__all__ = ["Batch", "Config", "LoRA", "Ray", "Session", "Sweep", "agents", "algorithms", "interrupts", "models", "quickstart", "rewards", "samplers", "sweep", "tasks", "tool", "viz", "workers"]
+__all__ = ["Async", "Batch", "Config", "LoRA", "Overlap", "Ray", "RolloutMode", "RolloutSource", "Session", "Sweep", "Sync", "agents", "algorithms", "interrupts", "models", "quickstart", "rewards", "samplers", "sweep", "tasks", "tool", "viz", "workers"]
 __version__ = "0.1.0"
 
 

@@ -134,8 +134,14 @@ class Config:
     and reports the sampler mismatch from that forward. Needs one epoch and one mini-batch per step, and an
     algorithm without rollout correction or KL in the reward (they read `old_logp` before the update); the
     batch then has no `old_logp` column."""
+    rollout: Any = None
+    """How sampling and training take turns: `rl.Sync()` (each step samples, then trains, with the same weights),
+    `rl.Overlap()` (the next batch is sampled while this step's update runs), `rl.Async(max_staleness=1, workers=1)`
+    (rollout workers sample continuously, taking new weights mid-generation), or a mode of your own (an
+    `rl.RolloutMode`: `rlbench/sources.py`). None: the mode that `rollout_mode`, `max_staleness` and
+    `rollout_workers` name, the flat form of the same settings (which a built-in mode sets)."""
     rollout_mode: str = "sync"
-    """How sampling and training take turns. "sync": each step samples, then trains, with the same weights.
+    """How sampling and training take turns (the flat form of `rollout`). "sync": each step samples, then trains, with the same weights.
     "overlap": `step()` samples (and scores) the next step's batch while this step's update runs, in a
     background thread (a second core, or the sampler's own worker on Ray): one step off-policy, each batch sampled
     by the weights before the previous update; its `old_logp` is the sampler's log-probs (PPO's old policy is the
@@ -317,6 +323,8 @@ class Config:
                 return value
             if isinstance(value, LoRA):
                 return value.to_dict()
+            if hasattr(value, "to_record"):  # a rollout mode: a built-in one is None (its flat fields say it)
+                return value.to_record()
             if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
                 return list(value)
             return {"python_object": repr(value)}
@@ -392,6 +400,16 @@ def make_config(**kwargs) -> Config:
         paths["overlap_rollout"] = True
     if kwargs.get("lora") is not None:  # a recipe's [lora] table, or a checkpoint's record of it
         paths["lora"] = LoRA.of(kwargs["lora"])
+    if kwargs.get("rollout") is not None:  # a rollout mode sets the flat fields it stands for
+        if not callable(getattr(kwargs["rollout"], "settings", None)):
+            raise ValueError(f"rollout={kwargs['rollout']!r} is not a rollout mode: rl.Sync(), rl.Overlap(), "
+                             f"rl.Async(max_staleness=..., workers=...) or an rl.RolloutMode of your own")
+        flat = kwargs["rollout"].settings()
+        given = {k: kwargs[k] for k in flat if k in kwargs and kwargs[k] != flat[k]}
+        if given:
+            raise ValueError(f"rollout={kwargs['rollout']!r} and {', '.join(f'{k}={v!r}' for k, v in given.items())} "
+                             f"disagree: set the mode with rollout= alone")
+        paths |= flat | {"overlap_rollout": flat["rollout_mode"] == "overlap"}
     return Config(**kwargs | paths).check()
 
 

@@ -1,10 +1,10 @@
 """A session's checkpoint folder: what `Session.save` writes and `Session.restore` (or a worker restart) reads.
 
 A folder (`step-NNNNNN/`, written atomically by `rlbench.checkpoints`) holds one subfolder per trained model
-(`policy/`, `reference/`, `critic/`: each worker writes its shards), the sampler's weights when they lag the
-policy's (`sampler.pt`), the batch sampled for the next step under rollout_mode="overlap" (`next_batch.pt`), the
-finished groups and in-flight prompts of rollout_mode="async" (`rollouts.pt`), the configuration (`config.json`)
-and the `SessionState` (`session.pt`).
+(`policy/`, `reference/`, `critic/`: each worker writes its shards), the rollout mode's part (`RolloutSource.save`:
+the sampler's weights when they lag the policy's, `sampler.pt`; the batch sampled for the next step under `rl.Overlap`,
+`next_batch.pt`; the finished groups and in-flight prompts of `rl.Async`, `rollouts.pt`), the configuration
+(`config.json`) and the `SessionState` (`session.pt`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from rlbench import checkpoints
-from rlbench.batch import Batch
 from rlbench.state import SessionState
 
 
@@ -25,18 +22,10 @@ def save(session, root: Path, keep_last: int) -> Path:
     with checkpoints.writing(root, step, keep_last=keep_last) as folder:
         for name, handle in session.workers.trained().items():
             handle.save_checkpoint(str(folder / name))
-        if not session.state.sampler_synced and session._async is None:  # (async: in-flight groups are drawn again)
-            torch.save(_sampler_weights(session), folder / "sampler.pt")
-        if (pending := session._prefetch.pending()) is not None:
-            torch.save({"tensors": pending.tensors, "lists": pending.lists, "meta": pending.meta},
-                       folder / "next_batch.pt")
         (folder / "config.json").write_text(json.dumps(session.config.to_record(), indent=1))
-        if session._async is None:
+        with session.source.frozen():  # the rollout mode's part and the data position at one moment
+            session.source.save(folder)
             session.state.save(folder / "session.pt")
-        else:  # the buffer and the data position at one moment: no group is drawn or finished meanwhile
-            with session._async.frozen():
-                torch.save(session._async.snapshot(), folder / "rollouts.pt")
-                session.state.save(folder / "session.pt")
     return root / f"step-{step:06d}"
 
 
@@ -62,24 +51,4 @@ def load(session, folder: Path, state: SessionState) -> None:
     session.state = state
     for sink in session.sinks:
         sink.resume(state.history)
-    # (restored in another mode, the batches older weights sampled would be trained on as if fresh: dropped)
-    next_batch, rollouts = folder / "next_batch.pt", folder / "rollouts.pt"
-    session._prefetch.put(Batch(**torch.load(next_batch, weights_only=True))
-                          if session.config.rollout_mode == "overlap" and next_batch.is_file() else None)
-    if session._async is not None and rollouts.is_file():
-        session._async.restore(torch.load(rollouts, weights_only=True))
-    if (folder / "sampler.pt").is_file() and session._async is None:
-        session.sampler.load_weights(torch.load(folder / "sampler.pt", weights_only=True))
-        state.sampler_synced = False
-    else:
-        session.sync_weights()
-
-
-def _sampler_weights(session) -> dict[str, torch.Tensor]:
-    """The weights the sampler holds, for a checkpoint taken while they lag the policy's."""
-    try:
-        return session.sampler.state_dict()
-    except AttributeError as error:
-        raise ValueError(f"the sampler's weights lag the policy's (update(sync=False)) and this sampler "
-                         f"({session.sampler.choice}) cannot hand them over (no state_dict()): call "
-                         f"sync_weights() before save()") from error
+    session.source.load(folder)  # (restored in another mode, batches older weights sampled are dropped)

@@ -11,19 +11,17 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from rlbench import algorithms, checkpoints, interrupts, preflight, resume, tasks
+from rlbench import algorithms, checkpoints, interrupts, preflight, resume, sources, tasks
 from rlbench.batch import Batch
 from rlbench.cluster import WorkerDied
 from rlbench.config import Config, make_config
 from rlbench.metrics import accuracy, at_k, batch_metrics
-from rlbench.prefetch import Prefetch
 from rlbench.progress import bar as progress_bar
-from rlbench.rollouts import AsyncRollouts
 from rlbench.runs import RunLock, new_run_name
 from rlbench.samplers import SamplingParams
 from rlbench.sinks import make_sinks
@@ -38,6 +36,10 @@ class Session:
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be an rl.Config or None, got {type(config).__name__}")
         self.config = cfg = make_config(**(config.to_dict() if config else {}) | overrides)
+        if flat := [k for k in ("rollout_mode", "max_staleness", "rollout_workers", "overlap_rollout") if k in overrides]:
+            warnings.warn(f"{', '.join(flat)}: the rollout mode is one setting now, rollout={sources.mode_of(cfg)!r} here "
+                          f"(rl.Sync(), rl.Overlap(), rl.Async(max_staleness=..., workers=...)); the flat keywords "
+                          f"still work, for a while", DeprecationWarning, stacklevel=2)
         self.algorithm = preflight.with_correction(algorithms.get(cfg.algorithm), cfg)
         self.task, self.model_dir, self.tokenizer = preflight.prepare(cfg, self.algorithm)
         self.teacher_dir = preflight.teacher(cfg, self.tokenizer)
@@ -54,18 +56,17 @@ class Session:
             if self._run_lock is not None:
                 self._run_lock.release()
             raise
-        if self.workers.episodes is not None:  # a template that is not append-only: the model sees other tokens
-            report = self.workers.episodes.check_template(self.task.train[0])
-            if report is not None and not report.ok:
-                warnings.warn(f"task {self.task.name!r} with the tokenizer of {self.model_dir}: {report}", stacklevel=2)
+        report = self.workers.template_report(self.task.train[0])  # not append-only: the model sees other tokens
+        if report is not None and not report.ok:
+            warnings.warn(f"task {self.task.name!r} with the tokenizer of {self.model_dir}: {report}", stacklevel=2)
         self.sinks = make_sinks(cfg.log_dir, self.state.run_name, tensorboard=cfg.tensorboard,
                                 wandb_project=cfg.wandb_project, config=cfg.to_dict())
         """Where every metrics row also goes: JSONL by default, TensorBoard and wandb when configured."""
         self.callbacks: list = []
         """Functions `f(session, row)` called after every step (the dashboard is one)."""
         self.last_batch: Batch | None = None
-        self._prefetch = Prefetch()
-        self._async = self._async_rollouts() if cfg.rollout_mode == "async" else None
+        self.source = sources.mode_of(cfg).start(self)
+        """Where the batches come from: the rollout mode's live part (`rlbench/sources.py`)."""
         self._stop_requested = self._running = False
         self._aborted: str | None = None  # why the session cannot go on (a step stopped midway)
         self._timings: dict[str, float] = {}
@@ -85,12 +86,9 @@ class Session:
 
     def close(self) -> None:
         """End every worker of this session (and the Ray instance rlbench started, once unused). Idempotent."""
-        self._prefetch.close()
-        if self._async is not None:
-            self._async.close()
+        self.source.stop()
         self.workers.close()
-        if self._async is not None:
-            self._async.join()
+        self.source.close()
         for sink in self.sinks:
             sink.close()
         if self._run_lock is not None:
@@ -104,35 +102,30 @@ class Session:
 
     # ------------------------------------------------------------------------- the four stages
     def rollout(self) -> Batch:
-        """Draw `prompts_per_step` prompts and sample `samples_per_prompt` completions of each.
+        """A new batch to train on, sampled and not scored: `prompts_per_step` prompts, `samples_per_prompt`
+        completions (or episodes) of each.
 
         When the algorithm needs a greedy baseline (ReMax), each prompt's greedy completion comes along
         as `baseline_completion` / `baseline_finished` on every sample of its group.
 
-        rollout_mode="async": the buffer's next `prompts_per_step` groups, in the order they were drawn (waiting for
+        rl.Async: the buffer's next `prompts_per_step` groups, in the order they were drawn (waiting for
         them if sampling is behind), with `token_version` (the weights version that drew each token), `staleness`
         (updates between the weights that drew its group's oldest token and the current ones) and `ticket`.
         """
-        cfg = self.config
         with self._timed("rollout"):
-            if self._async is not None:
-                batch = self._async.take(cfg.prompts_per_step)
-                self._tokens_generated += int(batch["response_mask"].sum())
-                return self._staleness(batch).with_meta(session=self.identity)
-            examples = self.state.next_examples(self.task.train, cfg.prompts_per_step, cfg.seed)
-            params = SamplingParams(n=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
-                                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    seed=mix(cfg.seed, self.state.rollouts_done))
-            self.state.rollouts_done += 1
-            if self.workers.episodes is not None:
-                return self._play(examples, params).with_meta(session=self.identity)
-            batch = self._generate(examples, params)
-            if self.algorithm.needs_greedy_baseline:
-                greedy = self._generate(examples, SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0))
-                rows = batch["group_ids"]
-                batch = batch.with_columns(baseline_completion=[greedy["completion"][i] for i in rows],
-                                           baseline_finished=greedy["finished"][rows])
-            return batch.with_meta(session=self.identity)
+            return self.source.rollout().with_meta(session=self.identity)
+
+    def sample(self, examples: list[dict], params: SamplingParams, *, baseline: bool = False) -> Batch:
+        """`params.n` completions of each example, or for an agentic task its episodes played to their ends; with
+        `baseline`, the greedy one's result on every sample of its group (`Workers.sample`: the one sample path of
+        rollouts and evaluation). Its tokens count towards the step's `tokens_generated`."""
+        batch, tokens = self.workers.sample(examples, params, baseline=baseline, version=self.state.step_count)
+        self._tokens_generated += tokens
+        return batch
+
+    def count_generated(self, batch: Batch) -> None:
+        """Add the tokens of a batch sampled elsewhere (rl.Async's rollout workers) to the step's `tokens_generated`."""
+        self._tokens_generated += int(batch["response_mask"].sum())
 
     def score(self, batch: Batch) -> Batch:
         """Add the task's `score` [B] (and its named components, e.g. `acc`, listed in `meta["reward_components"]`),
@@ -141,11 +134,7 @@ class Session:
         self._check_origin(batch, "score")
         cfg, algorithm = self.config, self.algorithm
         with self._timed("score"):
-            if batch.meta.get("agentic"):  # episodes were scored by their environments as they ended
-                components = {k: batch[k] for k in batch.meta["reward_components"]}
-                score_B, errors = batch["score"], batch["reward_error"]
-            else:
-                score_B, components, errors = self.scorer.score(batch["completion"], batch["example"], batch["finished"])
+            score_B, components, errors = self.workers.score(batch)
             columns = {"score": score_B, "reward_error": errors, **components}
             reward_B = score_B
             if algorithm.overlong_buffer:  # an episode's turns are each capped at max_new_tokens: its longest counts
@@ -170,31 +159,24 @@ class Session:
         algorithm, cfg = self.algorithm, self.config
         with self._timed("advantage"):
             mask_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
-            columns, meta, started = {}, {}, {}
-            sampler_is_old = algorithm.bypass or (cfg.rollout_mode != "sync" and algorithm.correction is None)
+            columns, meta, started = {}, {}, []
+            sampler_is_old = algorithm.bypass or (self.source.lags and algorithm.correction is None)
             if sampler_is_old:  # bypass, or sampled by older weights: PPO's old (the update then measures the mismatch)
                 columns["old_logp"], meta["old_logp_is_sampler"] = batch["sampler_logp"], True
-            if algorithm.needs_sum_pi2:  # OTB: Σ_v π_v² per token, from the policy's log-prob forward (its weights)
-                started["old_logp+sum_pi2"] = self.policy.log_probs_async(batch, sum_pi2=True)
-            elif not sampler_is_old and not cfg.on_policy_old_logp:  # (else the update's own forward gives it)
-                started["old_logp"] = self.policy.log_probs_async(batch)
+            if algorithm.needs_sum_pi2 or not (sampler_is_old or cfg.on_policy_old_logp):  # (else the update's forward)
+                started.append(self.policy.columns_async(batch, sum_pi2=algorithm.needs_sum_pi2))
             if self.reference is not None:  # all started before any is waited for (on Ray: no idle round trip)
-                started["ref_logp"] = self.reference.log_probs_async(batch)
-            topk = algorithm.teacher_topk if algorithm.forward_kl_coef else 0
+                started.append(self.reference.columns_async(batch))
             if self.teacher is not None:
-                started["teacher_logp"] = self.teacher.log_probs_async(batch, topk=topk)
-            columns |= {name: pending.result() for name, pending in started.items()}
-            if topk:  # [B, T, 1 + 2k]: the log-probs, the top-k log-probs, their ids (k at most the vocabulary)
-                teacher_B_T_X = columns.pop("teacher_logp")
-                k = (teacher_B_T_X.shape[-1] - 1) // 2
-                columns |= {"teacher_logp": teacher_B_T_X[..., 0].contiguous(),
-                            "teacher_topk_logp": teacher_B_T_X[..., 1 : 1 + k].contiguous(),
-                            "teacher_topk_ids": teacher_B_T_X[..., 1 + k :].long()}
-            if "old_logp+sum_pi2" in columns:
-                logp_B_T, columns["sum_pi2"] = (x.contiguous() for x in columns.pop("old_logp+sum_pi2").unbind(-1))
-                columns.setdefault("old_logp", logp_B_T)
+                started.append(self.teacher.columns_async(batch, topk=algorithm.teacher_topk if algorithm.forward_kl_coef else 0))
             if self.critic is not None:
-                columns["values"] = self.critic.values(batch)
+                started.append(self.critic.columns_async(batch))
+            for pending in started:  # (a sampler's old_logp stays: OTB's forward adds only sum_pi2 then)
+                for name, value in pending.result().items():
+                    columns.setdefault(name, value)
+            for column in algorithm.inputs:  # an input registered from outside (`register_advantage_input`)
+                if column not in columns and column not in batch and algorithms.input_provider(column) is not None:
+                    columns[column] = algorithms.input_provider(column)(self, batch)
             rewards_B_T = algorithms.outcome_rewards(batch["reward"], mask_B_T)
             if self.state.reward_kl is not None:  # β moves when the update is applied (`update`)
                 rewards_B_T, batch_kl = algorithms.kl_in_reward(
@@ -207,15 +189,11 @@ class Session:
                 columns |= {"correction_weights": weights_B_T, "loss_mask": loss_mask_B_T}
                 meta |= {k: algorithms.to_float(v) for k, v in stats.items()}
             components = batch.meta.get("reward_components") or []
+            data = {keyword: columns[column] if column in columns else batch.tensors.get(column)
+                    for column, keyword in algorithms.ADVANTAGE_INPUTS.items()}
             advantages_B_T, returns_B_T = algorithm.estimate(  # rejected tokens left the mask: no advantage
-                rewards_B_T, columns.get("loss_mask", mask_B_T), group_ids=batch["group_ids"],
-                values_B_T=columns.get("values"),
-                baselines_B=batch.tensors.get("baseline_reward"), old_logp_B_T=columns.get("old_logp"),
-                sum_pi2_B_T=columns.get("sum_pi2"), is_weights_B_T=columns.get("correction_weights"),
-                teacher_logp_B_T=columns.get("teacher_logp"),
-                reward_components_B_K=torch.stack([batch[k] for k in components], -1) if components else None,
-                turn_B_T=batch.tensors.get("turn"), turn_rewards_B_N=batch.tensors.get("turn_rewards"),
-                turns_B=batch.tensors.get("turns"), turn_state_B_N=batch.tensors.get("turn_state"))
+                rewards_B_T, columns.get("loss_mask", mask_B_T), **data,
+                reward_components_B_K=torch.stack([batch[k] for k in components], -1) if components else None)
             return batch.with_columns(**columns, token_rewards=rewards_B_T, advantages=advantages_B_T,
                                       returns=returns_B_T).with_meta(**meta)
 
@@ -230,8 +208,7 @@ class Session:
         if minis == 0:
             raise ValueError(f"update: the batch has {len(batch)} rows, fewer than world_size={cfg.world_size} (every "
                              f"rank needs a row)")
-        if cfg.vllm_sleep and self.sampler.choice == "vllm":  # a GPU shared with the policy
-            self.sampler.sleep()
+        self.sampler.before_update()  # (vLLM with vllm_sleep frees the GPU it shares with the policy)
         with self._timed("update"):
             steps = []
             for epoch in range(cfg.epochs_per_step):
@@ -269,22 +246,17 @@ class Session:
 
     def sync_weights(self) -> None:
         """Send the policy's full weights (gathered on rank 0) to the sampler: on Ray through the object
-        store as numpy arrays, zero-copy; inline as views of the same memory. rollout_mode="async": to every
-        rollout worker, which takes them at its next token (inline, a copy: the update goes on meanwhile)."""
+        store as numpy arrays, zero-copy; inline as views of the same memory. rl.Async: to every rollout
+        worker, which takes them at its next token (inline, a copy: the update goes on meanwhile)."""
         with self._timed("sync"):
-            weights = self.policy.weights_ref()
-            if self._async is None:
-                self.sampler.load_weights(weights)
-            else:
-                self._async.push(weights if self.workers.on_ray else {k: v.copy() for k, v in weights.items()},
-                                 self.state.policy_version)
+            self.source.push(self.policy.weights_ref(), self.state.policy_version)
         self.state.sampler_synced = True
 
     # --------------------------------------------------------------------------------- the loop
     def step(self) -> dict:
         """One RL iteration, `update(advantage(score(rollout())))`; appends and returns its row of `metrics`.
-        rollout_mode="overlap": the batch it trains on was rolled out and scored during the previous step;
-        "async": it was sampled in the background (`rollout()`).
+        rl.Overlap: the batch it trains on was rolled out and scored during the previous step;
+        rl.Async: it was sampled in the background (`rollout()`).
         Ctrl-C finishes and records the step, then stops (twice within a second: at once, see `rl.interrupts`)."""
         if self._aborted is not None:
             raise RuntimeError(self._aborted)
@@ -298,18 +270,13 @@ class Session:
     def _step(self) -> dict:
         self._timings, self._tokens_generated = {}, 0
         start = time.perf_counter()
-        batch = self._prefetch.take()
-        batch = self.advantage(self._collect() if batch is None else batch)
-        if self.config.rollout_mode == "overlap":  # the next batch is sampled by these weights while they update
-            hook = None if self.workers.on_ray else self.policy.set_before_backward
-            with self._prefetch.during(self._collect, hook):
-                stats = self.update(batch, sync=False)
-            self.sync_weights()
-        else:
-            stats = self.update(batch)
+        batch = self.advantage(self.source.next_batch())
+        with self.source.during_update():  # rl.Overlap: the next batch is sampled by these weights meanwhile
+            stats = self.update(batch, sync=False)
+        self.sync_weights()
         return self._record(batch, stats, time.perf_counter() - start)
 
-    def _collect(self) -> Batch:
+    def collect(self) -> Batch:
         """A scored batch for one step: `score(rollout())`, informative groups only under dynamic sampling."""
         batch = self.score(self.rollout())
         return self.keep_informative_groups(batch) if self.algorithm.filter_groups else batch
@@ -317,8 +284,7 @@ class Session:
     def _record(self, batch: Batch, stats: dict, seconds: float) -> dict:
         """Append a step's metrics row (history, sinks, callbacks) and count the step."""
         row = {"step": self.state.step_count, "tokens_generated": self._tokens_generated} | batch_metrics(batch) | stats | {
-            f"time_{k}": v for k, v in self._timings.items()} | {"time_step": seconds} | (
-            self._async.take_stats() if self._async is not None else {})
+            f"time_{k}": v for k, v in self._timings.items()} | {"time_step": seconds} | self.source.stats()
         self.state.history.append(row)
         self.state.step_count += 1
         self.last_batch = batch
@@ -381,8 +347,8 @@ class Session:
 
         Kept: the policy's weights and optimizer state, sharded (torch.distributed.checkpoint: any world
         size can load them), its LR schedule, the critic and reference where present, the sampler's weights
-        when they lag the policy's, the batch sampled for the next step (rollout_mode="overlap"), the buffer of finished
-        groups and the prompts of those in flight ("async"), the
+        when they lag the policy's, the batch sampled for the next step (rl.Overlap), the buffer of finished
+        groups and the prompts of those in flight (rl.Async), the
         `SessionState` (data position, counters, metrics so far) and the configuration.
         Atomic: a crash mid-save leaves the earlier checkpoints whole. Keeps the newest `keep_last`
         (default: the config's; 0 = all).
@@ -411,13 +377,12 @@ class Session:
     def _recover(self) -> Path:
         """After a worker died: end every worker, start them afresh and load the latest checkpoint."""
         folder, state, _ = resume.read(self._save_dir())
-        if self._async is not None:
-            self._async.close()
+        self.source.stop()
         self.workers.close()
+        self.source.close()
         self.workers = start_workers(self.config, self.algorithm, self.task, self.model_dir, self.tokenizer,
                                      self.teacher_dir)
-        if self._async is not None:
-            self._async = self._async_rollouts()
+        self.source = sources.mode_of(self.config).start(self)
         resume.load(self, folder, state)
         return folder
 
@@ -462,13 +427,13 @@ class Session:
 
     def complete(self, texts: list[str], *, max_new_tokens: int | None = None) -> list[str]:
         """Greedy completions of text prompts by the current policy (e.g. `rl.rewards.LLMJudge(generate=...)`)."""
-        params = SamplingParams(max_new_tokens=max_new_tokens or self.config.max_new_tokens, temperature=0)
+        params = SamplingParams.of(self.config, greedy=True, max_new_tokens=max_new_tokens)
         return self.sampler.generate(texts, params)["completion"] if texts else []
 
     def evaluate(self, *, max_prompts: int | None = None, samples: int | None = None,
                  progress: bool = False) -> dict[str, float]:
         """Held-out accuracy and mean reward, greedy and sampled (`eval_samples` per prompt); with `samples=k`, k
-        per prompt and also pass@k and maj@k (`metrics.at_k`). rollout_mode="async": by the weights the first
+        per prompt and also pass@k and maj@k (`metrics.at_k`). rl.Async: by the weights the first
         rollout worker holds (the newest pushed), with no new group started meanwhile."""
         cfg = self.config
         examples = list(self.task.test)[:max_prompts]
@@ -477,16 +442,13 @@ class Session:
                              f"{len(self.task.test)} test examples, max_prompts={max_prompts})")
         if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
             raise ValueError(f"evaluate: samples must be a positive integer (completions per prompt), got {samples!r}")
-        greedy = SamplingParams(n=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
-        sampled = SamplingParams(n=samples or cfg.eval_samples, max_new_tokens=cfg.max_new_tokens,
-                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=mix(cfg.seed, -1))
+        greedy = SamplingParams.of(cfg, greedy=True)
+        sampled = SamplingParams.of(cfg, n=samples or cfg.eval_samples, seed=mix(cfg.seed, -1))
         result = {}
-        with self._async.paused() if self._async is not None else nullcontext():  # async: no new groups meanwhile
+        with self.source.paused():  # rl.Async: no new groups meanwhile
             for mode, params in progress_bar([("greedy", greedy), ("sampled", sampled)], desc=f"{self.run_name} evaluate",
                                              disable=not progress):
-                rollout = (self._play(examples, params) if self.workers.episodes is not None
-                           else self.sampler.generate(examples, params))
-                scored = self.score(rollout)
+                scored = self.score(self.sample(examples, params))
                 result[f"{mode}_accuracy"] = algorithms.to_float(accuracy(scored).mean())
                 result[f"{mode}_reward"] = algorithms.to_float(scored["score"].mean())
         if samples is not None:
@@ -506,55 +468,6 @@ class Session:
         runner.seed = mix(self.config.seed, -2, self.state.step_count)
         return runner.start([example], greedy=greedy)[0]
 
-    def _play(self, examples: list[dict], params: SamplingParams) -> Batch:
-        """An agentic task's rollout: `params.n` episodes of each example, played to their ends, turns batched."""
-        runner = self.workers.episodes
-        runner.version, runner.seed = self.state.step_count, params.seed
-        rows = [i for i in range(len(examples)) for _ in range(params.n)]
-        batch = runner.rollout([examples[i] for i in rows], rows, greedy=params.greedy)
-        self._tokens_generated += int(batch["loss_mask"].sum())
-        if self.algorithm.needs_greedy_baseline and not params.greedy:
-            greedy = runner.rollout(examples, list(range(len(examples))), greedy=True)
-            self._tokens_generated += int(greedy["loss_mask"].sum())
-            batch = batch.with_columns(baseline_score=greedy["score"][torch.tensor(rows)])
-        return batch
-
-    def _async_rollouts(self) -> AsyncRollouts:
-        """rollout_mode="async": the buffer and the feeders of the rollout workers (sampling starts at the first
-        step, or when weights are first pushed)."""
-        cfg = self.config
-
-        def draw() -> tuple[dict, int]:
-            example = self.state.next_examples(self.task.train, 1, cfg.seed)[0]
-            self.state.rollouts_done += 1
-            return example, mix(cfg.seed, self.state.rollouts_done - 1)
-
-        def sample(handle, tickets, min_version: int) -> Batch:
-            params = SamplingParams(n=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
-                                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    seeds=tuple(t.seed for t in tickets))
-            return handle.rollout([t.example for t in tickets], params, min_version)
-
-        return AsyncRollouts(self.workers.rollout, max_staleness=cfg.max_staleness, groups_per_step=cfg.prompts_per_step,
-                             draw=draw, sample=sample, restart=self.workers.restart_rollout,
-                             version=self.state.policy_version)
-
-    def _staleness(self, batch: Batch) -> Batch:
-        """Add `staleness` [B] (of each row's group: the policy updates since its oldest token was drawn) and its
-        summary to `meta`; RuntimeError if it exceeds `max_staleness` (the bound of `rlbench.rollouts`)."""
-        K, now = self.config.max_staleness, self.state.policy_version
-        groups = batch["group_ids"]
-        oldest_B = batch["token_version"].masked_fill(batch["response_mask"] == 0, now).amin(-1)
-        oldest_G = torch.full((int(groups.max()) + 1,), now).scatter_reduce(0, groups, oldest_B, "amin")
-        staleness_G, staleness_B = now - oldest_G, now - oldest_G[groups]
-        if int(staleness_G.max()) > K:
-            raise RuntimeError(f"rollout: group {int(staleness_G.argmax())} was drawn {int(staleness_G.max())} updates "
-                               f"ago, more than max_staleness={K} (a bug in rlbench.rollouts: please report it)")
-        hist = torch.bincount(staleness_G, minlength=K + 1).float() / len(staleness_G)
-        return batch.with_columns(staleness=staleness_B).with_meta(
-            staleness_mean=algorithms.to_float(staleness_G.float().mean()), staleness_max=int(staleness_G.max()),
-            **{f"staleness_{k}": algorithms.to_float(hist[k]) for k in range(K + 1)})
-
     def _check_origin(self, batch: Batch, stage: str) -> None:
         """ValueError when `batch` is another session's (another model, tokenizer or task: its token ids and
         examples would mean something else here)."""
@@ -562,11 +475,6 @@ class Session:
         if theirs is not None and theirs != self.identity:
             raise ValueError(f"{stage}: this batch comes from another session ({theirs}), not this one "
                              f"({self.identity}): its token ids and examples mean something else here")
-
-    def _generate(self, examples: list[dict], params: SamplingParams) -> Batch:
-        batch = self.sampler.generate(examples, params)
-        self._tokens_generated += int(batch["response_mask"].sum())
-        return batch
 
     @contextmanager
     def _timed(self, stage: str):

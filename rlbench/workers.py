@@ -48,6 +48,14 @@ class PolicyHandle:
         with `sum_pi2`, `[B, T, 2]`: and `Σ_v π_v²` per response token from the same forward."""
         return self.workers.map_rows("policy", Policy.log_probs, batch, sum_pi2=sum_pi2)
 
+    def columns_async(self, batch: Batch, *, sum_pi2: bool = False) -> Pending:
+        """The batch's `old_logp` column (with `sum_pi2`, also `sum_pi2`: `Σ_v π_v²` per token, OTB) under the current
+        weights, started without waiting; `.result()` gives them by name."""
+        if not sum_pi2:
+            return self.log_probs_async(batch).then(lambda logp_B_T: {"old_logp": logp_B_T})
+        return self.log_probs_async(batch, sum_pi2=True).then(
+            lambda both_B_T_2: dict(zip(("old_logp", "sum_pi2"), (x.contiguous() for x in both_B_T_2.unbind(-1)))))
+
     def forward_backward(self, batch: Batch, loss_fn: Algorithm | Callable | None = None) -> dict[str, float]:
         """Accumulate the gradient of a loss over `batch` (rows split across ranks) and return its terms.
 
@@ -125,6 +133,21 @@ class ReferenceHandle:
         """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`)."""
         return self.workers.map_rows(self.name, self.method, batch, **options)
 
+    def columns_async(self, batch: Batch, *, topk: int = 0) -> Pending:
+        """The batch's `ref_logp` column (a teacher's: `teacher_logp`, and with `topk=k` also `teacher_topk_logp` and
+        `teacher_topk_ids` `[B, T, k]`, k at most the vocabulary), started without waiting; `.result()` gives them by
+        name."""
+        prefix = "teacher" if self.name == "teacher" else "ref"  # (the reference under LoRA: the policy's ranks)
+
+        def named(logp_B_T_X: torch.Tensor) -> dict[str, torch.Tensor]:
+            if not topk:
+                return {f"{prefix}_logp": logp_B_T_X}
+            k = (logp_B_T_X.shape[-1] - 1) // 2  # [B, T, 1 + 2k]: the log-probs, the top-k log-probs, their ids
+            return {f"{prefix}_logp": logp_B_T_X[..., 0].contiguous(),
+                    f"{prefix}_topk_logp": logp_B_T_X[..., 1 : 1 + k].contiguous(),
+                    f"{prefix}_topk_ids": logp_B_T_X[..., 1 + k :].long()}
+        return self.log_probs_async(batch, **({"topk": topk} if topk else {})).then(named)
+
     def save_checkpoint(self, path: str) -> None:
         self.workers.call("reference", Reference.save_checkpoint, path)
 
@@ -140,7 +163,11 @@ class CriticHandle:
 
     def values(self, batch: Batch) -> torch.Tensor:
         """Values `[B, T]` of the batch's response positions (rows split across ranks)."""
-        return self.workers.map_rows("critic", Critic.values, batch).result()
+        return self.columns_async(batch).result()["values"]
+
+    def columns_async(self, batch: Batch) -> Pending:
+        """The batch's `values` column, started without waiting; `.result()` gives it by name."""
+        return self.workers.map_rows("critic", Critic.values, batch).then(lambda values_B_T: {"values": values_B_T})
 
     def train_mini_batch(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped value loss on the batch's `returns` (needs `values`)."""
@@ -158,12 +185,14 @@ class CriticHandle:
 class SamplerHandle:
     """The sampler worker, with the tokenizer that turns examples into its prompts and its tokens into text."""
 
-    def __init__(self, workers: WorkerGroup, tokenizer, choice: str, why: str):
+    def __init__(self, workers: WorkerGroup, tokenizer, choice: str, why: str, sleeps: bool = False):
         self.workers, self.tokenizer = workers, tokenizer
         self.choice = choice
         """Which sampler runs: "hf", "vllm", or a given Sampler's class name."""
         self.why = why
         """Why that one (e.g. "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")."""
+        self.sleeps = sleeps
+        """Whether it frees its GPU during each update (vLLM with `vllm_sleep`: a GPU shared with the policy)."""
 
     def generate(self, examples_or_prompts: Sequence[dict | str | list], params: SamplingParams) -> Batch:
         """Sample `params.n` completions of each example (a dict with a "prompt") or prompt (text, or a list of
@@ -218,6 +247,11 @@ class SamplerHandle:
     def sleep(self) -> None:
         """vLLM on a GPU shared with the policy: free the KV cache and move the weights off the GPU."""
         self.workers.call("sampler", VLLMSampler.sleep)
+
+    def before_update(self) -> None:
+        """Called before each update: a sampler that `sleeps` frees the GPU for it (the next weights wake it)."""
+        if self.sleeps:
+            self.sleep()
 
 
 class EnvHandle:
@@ -308,6 +342,45 @@ class Workers:
     def close(self) -> None:
         """End every worker (and the Ray instance rlbench started, once no session uses it). Idempotent."""
         self._closer()
+
+    def sample(self, examples: list[dict], params: SamplingParams, *, baseline: bool = False,
+               version: int = 0) -> tuple[Batch, int]:
+        """(the batch, the tokens sampled for it): `params.n` completions of each example, or for an agentic task its
+        episodes played to their ends (turns batched, `version` recorded as the weights' version); with `baseline`,
+        the greedy one's result on every sample of its group (`baseline_completion` / `baseline_finished`, or an
+        episode's `baseline_score`). The one sample path of rollouts and evaluation, for either kind of task."""
+        if self.episodes is not None:
+            runner = self.episodes
+            runner.version, runner.seed = version, params.seed
+            rows = [i for i in range(len(examples)) for _ in range(params.n)]
+            batch = runner.rollout([examples[i] for i in rows], rows, greedy=params.greedy)
+            tokens = int(batch["loss_mask"].sum())
+            if baseline and not params.greedy:
+                greedy = runner.rollout(examples, list(range(len(examples))), greedy=True)
+                tokens += int(greedy["loss_mask"].sum())
+                batch = batch.with_columns(baseline_score=greedy["score"][torch.tensor(rows)])
+            return batch, tokens
+        batch = self.sampler.generate(examples, params)
+        tokens = int(batch["response_mask"].sum())
+        if baseline:
+            greedy = self.sampler.generate(examples, dataclasses.replace(params, n=1, temperature=0.0, seed=0, seeds=None))
+            tokens += int(greedy["response_mask"].sum())
+            rows = batch["group_ids"]
+            batch = batch.with_columns(baseline_completion=[greedy["completion"][i] for i in rows],
+                                       baseline_finished=greedy["finished"][rows])
+        return batch, tokens
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list]:
+        """(score [B], its named components, the error of each sample or None) of a batch's samples: the task's reward
+        over the completions; an agentic task's episodes were scored by their environments as they ended."""
+        if batch.meta.get("agentic"):
+            return batch["score"], {k: batch[k] for k in batch.meta["reward_components"]}, batch["reward_error"]
+        return self.scorer.score(batch["completion"], batch["example"], batch["finished"])
+
+    def template_report(self, example: dict):
+        """For an agentic task, whether its chat template is append-only with this tokenizer on `example`
+        (`rl.agents.TemplateReport`; not ok: the model sees other tokens than it sampled); None otherwise."""
+        return None if self.episodes is None else self.episodes.check_template(example)
 
     def trained(self) -> dict[str, PolicyHandle | ReferenceHandle | CriticHandle]:
         """The models a checkpoint keeps, by folder name."""
@@ -423,7 +496,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
         sampler = rollout[0]
     else:
         rollout = restart_rollout = None
-        sampler = SamplerHandle(samplers[0], tokenizer, choice, why)
+        sampler = SamplerHandle(samplers[0], tokenizer, choice, why, sleeps=cfg.vllm_sleep and choice == "vllm")
     scorer = episodes = None
     if agentic:
         episodes = _episode_runner(cfg, task, model_dir, tokenizer, sampler, EnvHandle(last))
@@ -448,9 +521,8 @@ def _episode_runner(cfg: Config, task, model_dir: str, tokenizer, sampler: Sampl
     info = envs.info()
 
     def sample(contexts, seeds, max_new_tokens, greedy):
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else cfg.temperature,
-                                top_p=cfg.top_p, top_k=cfg.top_k, seeds=tuple(seeds), stop_token_ids=tuple(stops),
-                                keep_cache=True)  # the next turn continues this context
+        params = SamplingParams.of(cfg, greedy=greedy, max_new_tokens=max_new_tokens, seeds=tuple(seeds),
+                                   stop_token_ids=tuple(stops), keep_cache=True)  # the next turn continues this context
         return sampler.generate_ids(contexts, params)
 
     context = task.max_context_tokens or models.prompt_room(model_dir, 0) or cfg.max_new_tokens * task.max_turns * 4

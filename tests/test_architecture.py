@@ -14,7 +14,7 @@ PAGE = (ROOT / "ARCHITECTURE.md").read_text()
 
 GROUND = {"batch", "config", "checkpoints", "runs", "algorithms", "models", "lora", "progress", "sinks"}
 WINGS = {"policy", "samplers", "rewards", "tasks", "agents"}
-CONTROLLER = {"workers", "state", "prefetch", "rollouts", "resume", "metrics", "preflight", "interrupts", "session",
+CONTROLLER = {"workers", "state", "sources", "prefetch", "rollouts", "resume", "metrics", "preflight", "interrupts", "session",
               "cluster", "__init__"}  # the package root imports the session, never the top floor
 TOP = {"viz", "cli", "recipes", "sweeps", "stats", "quickstart"}
 ALLOWED = {  # (importer, imported) across the rules, each stated on the page

@@ -93,6 +93,9 @@ BAD = [  # (field, value, the start of the error)
     ("lora", {"rank": 0}, "LoRA rank must be a positive integer, got 0"),
     ("on_policy_old_logp", 1, "on_policy_old_logp: expected bool, got 1 (int)"),
     ("overlap_rollout", "no", "overlap_rollout: expected bool, got 'no' (str)"),
+    ("rollout", "async", "rollout='async' is not a rollout mode: rl.Sync(), rl.Overlap(), rl.Async(max_staleness=..., "
+                         "workers=...) or an rl.RolloutMode of your own"),
+    ("rollout", rl.Async(max_staleness=-1), "max_staleness must be an integer >= 0, got -1"),
     ("rollout_mode", "asynch", "rollout_mode='asynch' is not one of: 'sync', 'overlap', 'async'"),
     ("rollout_mode", None, "rollout_mode: expected str, got None (NoneType)"),
     ("max_staleness", -1, "max_staleness must be an integer >= 0, got -1"),

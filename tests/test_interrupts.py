@@ -36,7 +36,7 @@ CHILD = textwrap.dedent("""
             if os.path.exists(done):
                 break
     policy = s.policy.workers.hosts[0].objects["policy"]
-    pending = s._prefetch.pending() is not None
+    pending = hasattr(s.source, "prefetch") and s.source.prefetch.pending() is not None  # rl.Overlap only
     sampler, weights = s.sampler.state_dict(), s.policy.state_dict()
     lines = len(open(os.path.join(log_dir, "interrupted", "metrics.jsonl")).read().splitlines())
     facts = dict(interrupts=interrupts, steps=s.step_count, history=len(s.history), log_lines=lines,

@@ -237,9 +237,9 @@ def test_a_rollout_worker_killed_mid_generation_is_replaced_and_no_group_is_lost
             tickets += s.last_batch["ticket"][::8].tolist()
             if step == 1:  # the push after this update lets the worker start the next tickets: catch it sampling
                 deadline = time.time() + 10
-                while not s._async._flight and time.time() < deadline:
+                while not s.source.rollouts._flight and time.time() < deadline:
                     time.sleep(0.001)
-                assert s._async._flight, "the worker never started a rollout"
+                assert s.source.rollouts._flight, "the worker never started a rollout"
                 killed = s.workers.rollout[0].workers.pids()[0]
                 os.kill(killed, 9)
         metrics = s.metrics

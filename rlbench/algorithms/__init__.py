@@ -41,6 +41,7 @@ from .core import (
 from .correction import Rejection, RolloutCorrection, mismatch_metrics
 from .registry import (
     ADVANTAGE_DATA,
+    ADVANTAGE_INPUTS,
     BYPASS_MODES,
     LOSS_DATA,
     Algorithm,
@@ -50,10 +51,12 @@ from .registry import (
     get,
     get_correction,
     hyperparameters,
+    input_provider,
     loss_fn,
     loss_reduction,
     names,
     register_advantage,
+    register_advantage_input,
     register_algorithm,
     register_correction,
     register_loss,
@@ -62,6 +65,7 @@ from .sampling import filter_groups, longest_turns, overlong_penalty
 
 __all__ = [
     "ADVANTAGE_DATA",
+    "ADVANTAGE_INPUTS",
     "BYPASS_MODES",
     "LOSS_DATA",
     "KL_KINDS",
@@ -80,6 +84,7 @@ __all__ = [
     "get",
     "get_correction",
     "hyperparameters",
+    "input_provider",
     "kl",
     "kl_in_reward",
     "longest_turns",
@@ -94,6 +99,7 @@ __all__ = [
     "overlong_penalty",
     "ratio",
     "register_advantage",
+    "register_advantage_input",
     "register_algorithm",
     "register_correction",
     "register_loss",

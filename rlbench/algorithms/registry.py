@@ -40,7 +40,34 @@ BYPASS_MODES = ("ppo_clip", "reinforce")
 """`Algorithm.bypass`: verl 0.9.1's bypass-mode loss types (docs/algo/rollout_corr.md)."""
 LOSS_DATA = ("weights_B_T",)
 """Data a policy loss may declare: the detached rollout-correction weights."""
-DATA_KEYWORDS = frozenset(ADVANTAGE_DATA + LOSS_DATA)
+DATA_KEYWORDS = set(ADVANTAGE_DATA + LOSS_DATA)
+"""Every data keyword (never a hyperparameter), inputs registered with `register_advantage_input` included."""
+ADVANTAGE_INPUTS: dict[str, str] = {
+    "group_ids": "group_ids", "values": "values_B_T", "baseline_reward": "baselines_B", "old_logp": "old_logp_B_T",
+    "sum_pi2": "sum_pi2_B_T", "correction_weights": "is_weights_B_T", "teacher_logp": "teacher_logp_B_T",
+    "turn": "turn_B_T", "turn_rewards": "turn_rewards_B_N", "turns": "turns_B", "turn_state": "turn_state_B_N"}
+"""Batch column -> the estimator keyword it is passed as: the one table between what `advantage()` computes and
+what an estimator declares (`reward_components_B_K` stacks the columns `meta["reward_components"]` names)."""
+_PROVIDERS: dict[str, Callable] = {}
+
+
+def register_advantage_input(column: str, keyword: str, provide: Callable) -> None:
+    """A new input an advantage estimator may declare: a session's `advantage()` computes the batch column `column`
+    with `provide(session, batch)` (a tensor `[B]` or `[B, T]`) when the algorithm's estimator declares `keyword`,
+    and passes it as that keyword. E.g. a per-prompt difficulty weight, a judge's score, a length target."""
+    taken = {k: c for c, k in ADVANTAGE_INPUTS.items()}
+    if ADVANTAGE_INPUTS.get(column, keyword) != keyword or taken.get(keyword, column) != column or (
+            keyword in DATA_KEYWORDS and keyword not in taken):
+        raise ValueError(f"advantage input {column!r} -> {keyword!r}: the column or the keyword is already another "
+                         f"input's (the table: {ADVANTAGE_INPUTS})")
+    ADVANTAGE_INPUTS[column] = keyword
+    DATA_KEYWORDS.add(keyword)
+    _PROVIDERS[column] = provide
+
+
+def input_provider(column: str) -> Callable | None:
+    """`provide(session, batch)` of a registered input column (`register_advantage_input`), else None."""
+    return _PROVIDERS.get(column)
 
 
 def declared(fn: Callable, data: Mapping) -> dict:
@@ -401,6 +428,12 @@ class Algorithm:
                 or self.forward_kl_coef > 0)
 
     @property
+    def inputs(self) -> list[str]:
+        """The batch columns its estimator declares by name (`ADVANTAGE_INPUTS`): what `advantage()` provides."""
+        params = inspect.signature(self.advantage).parameters
+        return [column for column, keyword in ADVANTAGE_INPUTS.items() if keyword in params]
+
+    @property
     def needs_reference(self) -> bool:
         """Whether the step needs reference-policy log-probs (a KL in the loss or in the reward)."""
         return self.kl_coef > 0 or self.reward_kl_coef > 0
@@ -418,9 +451,10 @@ class Algorithm:
         """`(advantages_B_T, returns_B_T)` of this algorithm's estimator, given the token rewards and whatever
         of `ADVANTAGE_DATA` the caller has; the estimator receives only the keywords it declares. With
         `distill_coef`, the advantages also get the per-token reverse KL to the teacher (see there)."""
-        unknown = sorted(set(data) - set(ADVANTAGE_DATA))
+        valid = {"reward_components_B_K", *ADVANTAGE_INPUTS.values()}
+        unknown = sorted(set(data) - valid)
         if unknown:
-            raise TypeError(f"unknown advantage data {unknown}; valid: {', '.join(ADVANTAGE_DATA)}")
+            raise TypeError(f"unknown advantage data {unknown}; valid: {', '.join(sorted(valid))}")
         advantages_B_T, returns_B_T = self.advantage(rewards_B_T, mask_B_T, **declared(self.advantage, data),
                                                      **self.advantage_kwargs)
         if self.distill_coef > 0:

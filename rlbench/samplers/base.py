@@ -41,6 +41,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @classmethod
+    def of(cls, cfg, *, n: int = 1, greedy: bool = False, max_new_tokens: int | None = None, **fields) -> SamplingParams:
+        """A session's sampling settings (its `rl.Config`: `max_new_tokens`, `temperature`, `top_p`, `top_k`) for `n`
+        completions per prompt, or greedy ones; `fields` set the rest (`seed` or `seeds`, `stop_token_ids`, ...). The
+        one place rollouts, evaluation and episodes get their settings from."""
+        settings = dict(temperature=0.0) if greedy else dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        return cls(n=n, max_new_tokens=max_new_tokens or cfg.max_new_tokens, **settings, **fields)
+
 
 class Sampler(Protocol):
     """What the session needs of a sampler (the HF decode loop and vLLM both follow it)."""
