@@ -1,4 +1,4 @@
-"""A session's checkpoint folder: what `Session.save` writes and `Session.restore` (or a worker restart) reads.
+"""A session's checkpoint folder: what `Session.save` writes and `Session.restore` (or a worker restart, `recover`) reads.
 
 A folder (`step-NNNNNN/`, written atomically by `rlbench.checkpoints`) holds one subfolder per trained model
 (`policy/`, `reference/`, `critic/`: each worker writes its shards), the rollout mode's part (`RolloutSource.save`:
@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlbench import checkpoints
+from rlbench import checkpoints, sources
 from rlbench.state import SessionState
+from rlbench.workers import start_workers
 
 
 def save(session, root: Path, keep_last: int) -> Path:
@@ -52,3 +53,17 @@ def load(session, folder: Path, state: SessionState) -> None:
     for sink in session.sinks:
         sink.resume(state.history)
     session.source.load(folder)  # (restored in another mode, batches older weights sampled are dropped)
+
+
+def recover(session, root: Path) -> Path:
+    """After a worker died: end every worker of `session`, start them afresh and load the latest checkpoint under
+    `root`; return its folder."""
+    folder, state, _ = read(root)
+    session.source.stop()
+    session.workers.close()
+    session.source.close()
+    session.workers = start_workers(session.config, session.algorithm, session.task, session.model_dir,
+                                    session.tokenizer, session.teacher_dir)
+    session.source = sources.mode_of(session.config).start(session)
+    load(session, folder, state)
+    return folder

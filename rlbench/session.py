@@ -168,7 +168,8 @@ class Session:
             if self.reference is not None:  # all started before any is waited for (on Ray: no idle round trip)
                 started.append(self.reference.columns_async(batch))
             if self.teacher is not None:
-                started.append(self.teacher.columns_async(batch, topk=algorithm.teacher_topk if algorithm.forward_kl_coef else 0))
+                topk = algorithm.teacher_topk if algorithm.forward_kl_coef else 0  # (a forward KL reads its top-k)
+                started.append(self.teacher.columns_async(batch, topk=topk))
             if self.critic is not None:
                 started.append(self.critic.columns_async(batch))
             for pending in started:  # (a sampler's old_logp stays: OTB's forward adds only sum_pi2 then)
@@ -325,7 +326,7 @@ class Session:
                 if retries <= 0:
                     raise
                 retries -= 1
-                folder = self._recover()
+                folder = resume.recover(self, self._save_dir())
                 warnings.warn(f"{error}; restored {folder} and going on ({retries} retries left)", stacklevel=2)
                 bar.n = max(self.state.step_count - first, 0)
                 bar.refresh()
@@ -373,18 +374,6 @@ class Session:
             session.close()
             raise
         return session
-
-    def _recover(self) -> Path:
-        """After a worker died: end every worker, start them afresh and load the latest checkpoint."""
-        folder, state, _ = resume.read(self._save_dir())
-        self.source.stop()
-        self.workers.close()
-        self.source.close()
-        self.workers = start_workers(self.config, self.algorithm, self.task, self.model_dir, self.tokenizer,
-                                     self.teacher_dir)
-        self.source = sources.mode_of(self.config).start(self)
-        resume.load(self, folder, state)
-        return folder
 
     def _save_dir(self) -> Path:
         cfg = self.config
