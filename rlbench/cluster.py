@@ -82,7 +82,7 @@ class WorkerGroup:
     `concurrency`: calls a Ray host runs at once, in threads (a rollout worker takes weights while it samples)."""
 
     def __init__(self, name: str, size: int, *, ray: bool, threads: int | None = 1, cpus: float = 1.0, gpus: float = 0,
-                 env: dict[str, str] | None = None, concurrency: int = 1):
+                 concurrency: int = 1):
         self.name, self.size, self.ray = name, size, ray
         if not ray:
             if size != 1:
@@ -92,7 +92,7 @@ class WorkerGroup:
         import ray as ray_module
 
         actor = ray_module.remote(Host).options(
-            num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}})
+            num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency, runtime_env=worker_runtime_env())
         self.hosts = [actor.remote(threads) for _ in range(size)]
 
     # ------------------------------------------------------------------------------ calls
@@ -235,8 +235,22 @@ def balance(batch: Batch, n: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------------- Ray runtime
-_OWNED = {"started": False, "sessions": 0}
-"""Whether rlbench started the Ray instance of this process, and how many sessions use it."""
+_OWNED: dict[str, Any] = {"started": False, "sessions": 0, "environ": None}
+"""Whether rlbench started the Ray instance of this process, how many sessions use it, and the environment its
+worker processes inherit (a private instance's: this process's when it started the instance; None when unknown)."""
+
+WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Set in every Ray worker process: an idle OpenMP thread sleeps instead of spinning on a core that another
+worker needs."""
+
+
+def worker_runtime_env() -> dict | None:
+    """The Ray `runtime_env` that gives a worker `WORKER_ENV`, or None when its process inherits it already (a
+    private instance started from an environment that has it). Ray starts a worker with a runtime_env through
+    its runtime-env agent, which costs seconds per worker: about 10 s instead of 3 s for a session's workers."""
+    inherited = _OWNED["environ"] or {}
+    missing = {k: v for k, v in WORKER_ENV.items() if inherited.get(k) != v}
+    return {"env_vars": missing} if missing else None
 
 
 def acquire_ray(spec: Ray, cpus_needed: float) -> None:
@@ -267,6 +281,7 @@ def _start_private(cpus: int) -> None:
     for attempt in range(1, PRIVATE_START_TRIES + 1):
         try:
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            _OWNED["environ"] = dict(os.environ)
             return
         except Exception as e:  # Ray raises a bare Exception for this one
             if "timed out during startup" not in str(e) or attempt == PRIVATE_START_TRIES:
@@ -306,4 +321,4 @@ def release_ray() -> None:
     _OWNED["sessions"] = max(_OWNED["sessions"] - 1, 0)
     if _OWNED["sessions"] == 0 and _OWNED["started"] and ray.is_initialized():
         ray.shutdown()
-        _OWNED["started"] = False
+        _OWNED["started"], _OWNED["environ"] = False, None

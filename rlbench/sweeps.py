@@ -38,7 +38,7 @@ from pathlib import Path
 import pandas as pd
 
 from rlbench import checkpoints, recipes, stats
-from rlbench.cluster import Ray, acquire_ray, check_resources, release_ray
+from rlbench.cluster import Ray, acquire_ray, check_resources, release_ray, worker_runtime_env
 from rlbench.config import Config
 from rlbench.progress import bar as progress_bar
 from rlbench.progress import in_notebook
@@ -190,7 +190,7 @@ class Sweep:
             gpus = self.gpus_per_run if self.gpus_per_run is not None else min(ray.cluster_resources().get("GPU", 0), 1)
             check_resources(self.cpus_per_run, gpus, "a sweep's run")
             remote = ray.remote(train_run).options(num_cpus=self.cpus_per_run, num_gpus=gpus, max_retries=0,
-                                                   runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}})
+                                                   runtime_env=worker_runtime_env())
             pending = {remote.remote(*job, threads=self.cpus_per_run, keep_checkpoints=self.keep_checkpoints): job[0]
                        for job in jobs}
             while pending:
