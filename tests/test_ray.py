@@ -48,12 +48,28 @@ def test_two_ranks_match_inline_and_close_leaves_nothing(tiny_dir):
 
     pids = [pid for group in session.workers.groups for pid in group.pids()]
     assert len(set(pids)) == 4  # two policy ranks, the sampler, the reward scorer
+    import ray
+
+    hosts = [host for group in session.workers.groups for host in group.hosts]
+    policies = ray.get([host.__ray_call__.remote(lambda host: os.environ.get("OMP_WAIT_POLICY")) for host in hosts])
+    assert policies == ["PASSIVE"] * 4  # inherited from the private instance (conftest sets it), no runtime_env
     session.close()
     session.close()  # idempotent
     deadline = time.time() + 30
     while any(os.path.exists(f"/proc/{p}") for p in pids) and time.time() < deadline:
         time.sleep(0.5)
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "worker processes outlived close()"
+
+
+def test_workers_get_their_environment_from_a_runtime_env_only_when_they_do_not_inherit_it(monkeypatch):
+    from rlbench import cluster
+
+    monkeypatch.setitem(cluster._OWNED, "environ", os.environ | {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert cluster.worker_runtime_env() is None  # a private instance started with it
+    monkeypatch.setitem(cluster._OWNED, "environ", {})
+    assert cluster.worker_runtime_env() == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    monkeypatch.setitem(cluster._OWNED, "environ", None)  # a cluster joined by address: its environment is unknown
+    assert cluster.worker_runtime_env() == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 
 def test_skipped_sync_shows_in_the_mismatch_metric(tiny_dir):
@@ -112,18 +128,6 @@ def test_a_teacher_on_two_ranks_matches_inline(tiny_dir, placement):
                      atol=1e-4, msg=column)  # 1e-4: 2 ranks reduce in another order
 
 
-def test_a_dead_worker_is_named(tiny_dir):
-    import ray
-
-    s = rl.Session(**CONFIG, cluster="ray", world_size=2)
-    s.step()
-    ray.kill(s.policy.workers.hosts[1], no_restart=True)
-    with pytest.raises(rl.cluster.WorkerDied, match=r"worker 'policy' rank 1 died during .* \(at step 1, stage"):
-        s.step()
-    assert len(s.metrics) == 1  # what was done is still there
-    s.close()
-
-
 JOIN = """
 import json, sys, rlbench as rl
 with rl.Session(model="tiny-arith", cluster=rl.Ray(address=sys.argv[1]), prompts_per_step=4, samples_per_prompt=4,
@@ -156,7 +160,7 @@ def test_join_a_cluster_by_address(tiny_dir):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_a_killed_rank_is_restored_from_the_last_checkpoint_and_the_run_finishes(tiny_dir, tmp_path):
+def test_a_killed_rank_is_restored_from_the_last_checkpoint_and_without_retries_it_is_named(tiny_dir, tmp_path):
     import ray
 
     small = CONFIG | dict(prompts_per_step=4, samples_per_prompt=4)
@@ -182,6 +186,12 @@ def test_a_killed_rank_is_restored_from_the_last_checkpoint_and_the_run_finishes
         assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
                      atol=1e-5, msg=column)  # 1e-5: a restart, the same 2 ranks
     weights = s.policy.state_dict()
+
+    # with no retries left (a step outside run(retries=...)), the dead worker is named and the work done stays
+    ray.kill(s.policy.workers.hosts[1], no_restart=True)
+    with pytest.raises(rl.cluster.WorkerDied, match=r"worker 'policy' rank 1 died during .* \(at step 4, stage"):
+        s.step()
+    assert len(s.metrics) == 4
     s.close()
     for name, value in expected_weights.items():
         assert_close(weights[name], value, atol=1e-5, msg=name)  # 1e-5: a restart, the same 2 ranks
