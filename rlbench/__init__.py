@@ -11,10 +11,10 @@ import os
 _environment = dict(os.environ)
 
 from rlbench import agents, algorithms, interrupts, models, rewards, samplers, tasks, workers  # noqa: E402
-from rlbench.agents import tool  # noqa: E402
+from rlbench.agents import Env, Game, tool  # noqa: E402
 from rlbench.batch import Batch  # noqa: E402
 from rlbench.cluster import Ray  # noqa: E402
-from rlbench.config import Config  # noqa: E402
+from rlbench.config import VLLM, Config, RewardRunner  # noqa: E402
 from rlbench.lora import LoRA  # noqa: E402
 from rlbench.session import Session  # noqa: E402
 from rlbench.sources import Async, Overlap, RolloutMode, RolloutSource, Sync  # noqa: E402
@@ -26,7 +26,9 @@ for _name in set(os.environ) - set(_environment):
 os.environ.update(_environment)
 del _environment
 
-__all__ = ["Async", "Batch", "Config", "LoRA", "Overlap", "Ray", "RolloutMode", "RolloutSource", "Session", "Sweep", "Sync", "agents", "algorithms", "interrupts", "models", "quickstart", "rewards", "samplers", "sweep", "tasks", "tool", "viz", "workers"]
+__all__ = ["Async", "Batch", "Config", "Env", "Game", "LoRA", "Overlap", "Ray", "RewardRunner", "RolloutMode",
+           "RolloutSource", "Session", "Sweep", "Sync", "VLLM", "agents", "algorithms", "interrupts", "models",
+           "quickstart", "rewards", "samplers", "sweep", "tasks", "tool", "viz", "workers"]
 __version__ = "0.1.0"
 
 

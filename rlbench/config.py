@@ -33,6 +33,9 @@ class Config:
     sampler: Any = "auto"
     """"hf" (transformers decode loop), "vllm", "auto" (vLLM on a GPU where installed, else hf; the session's
     `s.sampler.choice` says which, `s.sampler.why` why), or a Sampler object (inline only)."""
+    vllm: Any = None
+    """The vLLM sampler's knobs together, `rl.VLLM(sleep=True, gpu_memory_utilization=0.5)`: the vllm_* fields
+    below, which it sets (a recipe's [vllm] table is the same)."""
     vllm_kv_cache_bytes: int | None = None
     """vLLM sampler: KV cache size in bytes (None: rl.samplers.vllm.CPU_KV_CACHE_BYTES on CPU; on a GPU,
     what vllm_gpu_memory_utilization leaves after weights and activations)."""
@@ -197,6 +200,10 @@ class Config:
     long_prompts: str = "error"
     """"error": stop at start-up naming the first too-long example; "drop": leave them out (counts in
     session.task.dropped)."""
+    reward_runner: Any = None
+    """The reward runner's knobs together, `rl.RewardRunner(workers=8, timeout_s=60, processes=True,
+    on_error="zero")`: reward_workers, reward_timeout_s, reward_processes and on_reward_error below, which it sets
+    (a recipe's [reward_runner] table is the same)."""
     reward_workers: int = 4
     """Samples the reward runner scores at once (threads, or processes with reward_processes)."""
     reward_timeout_s: float | None = 30.0
@@ -382,6 +389,75 @@ class Config:
         return {name: found.get(name, "") for name in cls.fields()}
 
 
+class Group:
+    """The knobs of one part, given together (`rl.VLLM(sleep=True)`): each is a flat Config field (`KNOBS`: knob ->
+    field), which keeps its default, its check and its docstring; a group holds only the knobs it was given, and
+    `settings()` are those as flat fields."""
+
+    KNOBS: dict[str, str] = {}
+
+    def __init__(self, **knobs):
+        unknown = sorted(set(knobs) - set(self.KNOBS))
+        if unknown:
+            raise TypeError(f"rl.{type(self).__name__} has no knob(s) {unknown}; its knobs: {', '.join(self.KNOBS)}")
+        self.knobs = knobs
+
+    def settings(self) -> dict:
+        return {self.KNOBS[name]: value for name, value in self.knobs.items()}
+
+    def to_record(self):  # a checkpoint keeps the flat fields it set
+        return None
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.knobs == self.knobs
+
+    def __repr__(self) -> str:
+        return f"rl.{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.knobs.items())})"
+
+    def __init_subclass__(cls):
+        """The signature (each knob keyword-only, with its field's type and default) and the docstring (each
+        knob's field docstring) come from the Config fields, for `help()` and tab completion."""
+        hints, defaults, docs = typing.get_type_hints(Config), Config(), Config.docs()
+        cls.__signature__ = inspect.Signature([
+            inspect.Parameter(knob, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, field),
+                              annotation=hints[field]) for knob, field in cls.KNOBS.items()])
+        cls.__doc__ = inspect.cleandoc(cls.__doc__ or "") + "\n\n" + "\n".join(
+            f"{knob} ({field}): {' '.join(docs[field].split())}" for knob, field in cls.KNOBS.items())
+
+
+class VLLM(Group):
+    """The vLLM sampler's knobs: `rl.Session(sampler="vllm", vllm=rl.VLLM(sleep=True))`."""
+
+    KNOBS = {name: f"vllm_{name}" for name in ("kv_cache_bytes", "max_model_len", "enforce_eager",
+                                               "gpu_memory_utilization", "sleep")}
+
+
+class RewardRunner(Group):
+    """The reward runner's knobs (how a task's reward is run over a batch): `rl.RewardRunner(workers=8)`."""
+
+    KNOBS = {"workers": "reward_workers", "timeout_s": "reward_timeout_s", "processes": "reward_processes",
+             "on_error": "on_reward_error"}
+
+
+GROUPS: dict[str, type[Group]] = {"vllm": VLLM, "reward_runner": RewardRunner}
+"""The Config fields that take a group of knobs (or a recipe's table of them)."""
+
+
+def grouped_keywords(keywords: dict) -> str | None:
+    """What to say when knobs that a group holds now are given by their flat names (None: none are)."""
+    forms = {}
+    for name, kind in GROUPS.items():
+        knobs = {knob: keywords[field] for knob, field in kind.KNOBS.items() if field in keywords}
+        if knobs:
+            forms[name] = kind(**knobs)
+    if not forms:
+        return None
+    flat = [field for kind in GROUPS.values() for field in kind.KNOBS.values() if field in keywords]
+    return (f"{', '.join(flat)}: these knobs are set together now, "
+            f"{', '.join(f'{name}={group!r}' for name, group in forms.items())} here; the flat keywords still work, "
+            f"for a while")
+
+
 def _choice(name: str, value, valid: list[str]) -> None:
     if value not in valid:
         raise ValueError(f"{name}={value!r} is not one of: {', '.join(map(repr, valid))}")
@@ -410,6 +486,17 @@ def make_config(**kwargs) -> Config:
             raise ValueError(f"rollout={kwargs['rollout']!r} and {', '.join(f'{k}={v!r}' for k, v in given.items())} "
                              f"disagree: set the mode with rollout= alone")
         paths |= flat | {"overlap_rollout": flat["rollout_mode"] == "overlap"}
+    for name, kind in GROUPS.items():  # a group (or a recipe's table) sets the flat fields it stands for
+        if kwargs.get(name) is None:
+            continue
+        group = paths[name] = kind(**kwargs[name]) if isinstance(kwargs[name], dict) else kwargs[name]
+        if not isinstance(group, kind):
+            raise ValueError(f"{name}={group!r} is not an rl.{kind.__name__}(...) (or a table of its knobs)")
+        given = {k: kwargs[k] for k, v in group.settings().items() if k in kwargs and kwargs[k] != v}
+        if given:
+            raise ValueError(f"{name}={group!r} and {', '.join(f'{k}={v!r}' for k, v in given.items())} disagree: "
+                             f"set them in {name}= alone")
+        paths |= group.settings()
     return Config(**kwargs | paths).check()
 
 

@@ -8,6 +8,7 @@ import torch
 
 from rlbench.algorithms import masked_mean, mismatch_metrics, to_float
 from rlbench.batch import Batch
+from rlbench.policy.fsdp import loss_mask
 from rlbench.rewards.answers import extract_gsm8k
 
 
@@ -17,7 +18,7 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     has `old_logp`; with `on_policy_old_logp` the update's forward reports it. With a teacher, `teacher_kl`: the mean
     of `logπ_student - logπ_teacher` over sampled tokens (k1 of the reverse KL that distillation lowers)."""
     mask_B_T = batch["response_mask"].float()
-    sampled_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
+    sampled_B_T = loss_mask(batch)  # an episode's: its sampled tokens only
     valid = sampled_B_T.sum().clamp(min=1)
     mismatch = {}
     if "old_logp" in batch:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from rlbench import algorithms, models, tasks
 from rlbench.algorithms import Algorithm
 from rlbench.config import Config
+from rlbench.sources import mode_of
 from rlbench.workers import check_sampler
 
 
@@ -19,8 +20,7 @@ def prepare(cfg: Config, algorithm: Algorithm):
         raise ValueError(f"algorithm {algorithm.name!r} credits each turn of an episode: it needs an agentic task "
                          f"(rl.tasks.AgentTask, e.g. task='calculator'), not {getattr(task, 'name', task)!r}")
     check_sampler(cfg.sampler, cfg.cluster)
-    if cfg.rollout_mode == "async":
-        check_async(cfg, algorithm, task)
+    mode_of(cfg).check(cfg, algorithm, task)
     model_dir = str(models.resolve(cfg.model))
     tokenizer = models.load_tokenizer(model_dir)
     if isinstance(task, tasks.AgentTask):  # first turns come from the environment: their length is per turn
@@ -49,31 +49,15 @@ def teacher(cfg: Config, tokenizer) -> str | None:
 
 def with_correction(algorithm: Algorithm, cfg: Config) -> Algorithm:
     """The algorithm with the session's rollout correction (`Config.correction`): "auto" keeps the algorithm's own,
-    adding token TIS in async mode when it has none and its loss takes weights (rollout workers sample with weights
-    up to max_staleness updates old); None or "none" removes it; a name or a RolloutCorrection replaces it."""
+    adding token TIS when the rollout mode trains on what older weights sampled (rl.Async: up to max_staleness
+    updates old) and the algorithm has none and its loss takes weights; None or "none" removes it; a name or a
+    RolloutCorrection replaces it."""
     if cfg.correction == "auto":
         takes_weights = algorithms.declared(algorithm.loss, {"weights_B_T": None})
-        if cfg.rollout_mode == "async" and algorithm.correction is None and takes_weights:
+        if mode_of(cfg).stale_samples() and algorithm.correction is None and takes_weights:
             return algorithm.replace(correction="token_tis")
         return algorithm
     return algorithm.replace(correction=None if cfg.correction == "none" else cfg.correction)
-
-
-def check_async(cfg: Config, algorithm: Algorithm, task) -> None:
-    """What rollout_mode="async" does not run (yet), and a sampler object shared by several workers."""
-    if isinstance(task, tasks.AgentTask):
-        raise ValueError(f"rollout_mode='async' samples single completions; task {getattr(task, 'name', task)!r} is "
-                         f"agentic (its episodes are played turn by turn by the controller): use rollout_mode='sync' "
-                         f"or 'overlap'")
-    if algorithm.needs_greedy_baseline:
-        raise ValueError(f"rollout_mode='async' does not sample algorithm {algorithm.name!r}'s greedy baseline: use "
-                         f"rollout_mode='sync' or 'overlap'")
-    if not isinstance(cfg.sampler, str) and cfg.rollout_workers > 1:
-        raise ValueError(f"rollout_workers={cfg.rollout_workers} need a sampler each: a Sampler object is one "
-                         f"(use sampler='hf' or 'vllm', or rollout_workers=1)")
-    if cfg.sampler == "vllm" and cfg.cluster == "inline" and cfg.rollout_workers > 1:
-        raise ValueError("vLLM runs one engine per process: rollout_workers > 1 with sampler='vllm' needs "
-                         "cluster='ray'")
 
 
 def check_algorithm(cfg: Config, algorithm: Algorithm) -> None:

@@ -19,8 +19,9 @@ import torch
 from rlbench import algorithms, checkpoints, interrupts, preflight, resume, sources, tasks
 from rlbench.batch import Batch
 from rlbench.cluster import WorkerDied
-from rlbench.config import Config, make_config
+from rlbench.config import Config, grouped_keywords, make_config
 from rlbench.metrics import accuracy, at_k, batch_metrics
+from rlbench.policy.fsdp import loss_mask
 from rlbench.progress import bar as progress_bar
 from rlbench.runs import RunLock, new_run_name
 from rlbench.samplers import SamplingParams
@@ -40,6 +41,8 @@ class Session:
             warnings.warn(f"{', '.join(flat)}: the rollout mode is one setting now, rollout={sources.mode_of(cfg)!r} here "
                           f"(rl.Sync(), rl.Overlap(), rl.Async(max_staleness=..., workers=...)); the flat keywords "
                           f"still work, for a while", DeprecationWarning, stacklevel=2)
+        if moved := grouped_keywords(overrides):
+            warnings.warn(moved, DeprecationWarning, stacklevel=2)
         self.algorithm = preflight.with_correction(algorithms.get(cfg.algorithm), cfg)
         self.task, self.model_dir, self.tokenizer = preflight.prepare(cfg, self.algorithm)
         self.teacher_dir = preflight.teacher(cfg, self.tokenizer)
@@ -132,23 +135,15 @@ class Session:
         `reward_error` per sample, and `reward` [B]: the score plus the algorithm's shaping (DAPO's overlong
         penalty, on an episode's longest turn), what advantages use."""
         self._check_origin(batch, "score")
-        cfg, algorithm = self.config, self.algorithm
+        algorithm = self.algorithm
         with self._timed("score"):
-            score_B, components, errors = self.workers.score(batch)
-            columns = {"score": score_B, "reward_error": errors, **components}
-            reward_B = score_B
-            if algorithm.overlong_buffer:  # an episode's turns are each capped at max_new_tokens: its longest counts
-                lengths_B = (algorithms.longest_turns(batch["loss_mask"], batch["turn"]) if batch.meta.get("agentic")
-                             else batch.tensors.get("loss_mask", batch["response_mask"]).sum(-1))
-                columns["overlong_penalty"] = algorithms.overlong_penalty(
-                    lengths_B, cfg.max_new_tokens, algorithm.overlong_buffer, algorithm.overlong_factor)
-                reward_B = reward_B + columns["overlong_penalty"]
-            if "baseline_score" in batch:  # episodes: the greedy episode's score
-                columns["baseline_reward"] = batch["baseline_score"]
-            elif "baseline_completion" in batch:
-                columns["baseline_reward"], _, _ = self.scorer.score(batch["baseline_completion"], batch["example"],
-                                                                     batch["baseline_finished"])
-            return batch.with_columns(**columns, reward=reward_B).with_meta(reward_components=list(components))
+            scored = self.workers.score(batch)
+            reward_B = scored["score"]
+            if algorithm.overlong_buffer:
+                penalty_B = algorithms.overlong_penalty(self.workers.capped_lengths(batch), self.config.max_new_tokens,
+                                                        algorithm.overlong_buffer, algorithm.overlong_factor)
+                scored, reward_B = scored.with_columns(overlong_penalty=penalty_B), reward_B + penalty_B
+            return scored.with_columns(reward=reward_B)
 
     def advantage(self, batch: Batch) -> Batch:
         """Add `old_logp`, and what the algorithm declares it needs (`ref_logp`, critic `values`, rollout
@@ -158,7 +153,7 @@ class Session:
         self._check_origin(batch, "advantage")
         algorithm, cfg = self.algorithm, self.config
         with self._timed("advantage"):
-            mask_B_T = batch.tensors.get("loss_mask", batch["response_mask"]).float()  # episodes: sampled tokens only
+            mask_B_T = loss_mask(batch)  # an episode's: its sampled tokens only
             columns, meta, started = {}, {}, []
             sampler_is_old = algorithm.bypass or (self.source.lags and algorithm.correction is None)
             if sampler_is_old:  # bypass, or sampled by older weights: PPO's old (the update then measures the mismatch)
@@ -445,17 +440,12 @@ class Session:
         return result
 
     def episode(self, example: dict | None = None, *, greedy: bool = False):
-        """A new episode of an agentic task to step by hand (`rl.agents.Episode`): `ep.step()` samples a turn
+        """A new episode of an agentic task to step by hand (`rl.agents.EpisodeHandle`): `ep.step()` samples a turn
         (stopping at a tool call), `ep.pending_tool_calls` can be edited, the next `ep.step()` runs the tools and
         appends their results; `ep.show()`, `ep.to_pandas()`, `ep.reward()`. Default example: the first test one."""
-        if self.workers.episodes is None:
-            raise ValueError(f"episode: task {getattr(self.task, 'name', self.task)!r} is not agentic (an "
-                             f"rl.tasks.AgentTask); its rollouts are single completions: s.rollout()")
         example = example if example is not None else (self.task.test or self.task.train)[0]
-        runner = self.workers.episodes
-        runner.version = self.state.step_count
-        runner.seed = mix(self.config.seed, -2, self.state.step_count)
-        return runner.start([example], greedy=greedy)[0]
+        return self.workers.episode(example, greedy=greedy, version=self.state.step_count,
+                                    seed=mix(self.config.seed, -2, self.state.step_count))
 
     def _check_origin(self, batch: Batch, stage: str) -> None:
         """ValueError when `batch` is another session's (another model, tokenizer or task: its token ids and

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from rlbench import algorithms
+from rlbench import algorithms, tasks
 from rlbench.batch import Batch
 from rlbench.prefetch import Prefetch
 from rlbench.rollouts import AsyncRollouts
@@ -218,9 +218,22 @@ class RolloutMode:
     def start(self, session) -> RolloutSource:
         return RolloutSource(session)
 
+    def rollout_workers(self) -> int:
+        """Samplers of their own that take new weights in the middle of a generation (rl.Async's rollout workers),
+        built instead of the session's one sampler; 0: that one sampler."""
+        return 0
+
+    def stale_samples(self) -> bool:
+        """Whether it trains on tokens that older weights drew: then the "auto" rollout correction adds token TIS to
+        an algorithm without a correction of its own (when its loss takes weights)."""
+        return False
+
+    def check(self, cfg, algorithm, task) -> None:
+        """ValueError naming what this mode cannot run with these settings, before any worker starts."""
+
     def settings(self) -> dict:
-        """The flat settings this mode stands for (`rollout_mode` and its knobs): what the worker layout and the
-        configuration checks read. A mode of your own samples with one sampler, as "sync" does."""
+        """The flat settings this mode stands for (`rollout_mode` and its knobs), kept in the configuration. A mode of
+        your own samples with one sampler, as "sync" does."""
         return {"rollout_mode": "sync"}
 
     def to_record(self):
@@ -273,6 +286,28 @@ class Async(RolloutMode):
 
     def start(self, session) -> RolloutSource:
         return AsyncSource(session, self)
+
+    def rollout_workers(self) -> int:
+        return self.workers
+
+    def stale_samples(self) -> bool:
+        return True
+
+    def check(self, cfg, algorithm, task) -> None:
+        """What it does not run (yet): episodes, a greedy baseline; and a sampler object shared by several workers."""
+        if isinstance(task, tasks.AgentTask):
+            raise ValueError(f"rollout_mode='async' samples single completions; task {getattr(task, 'name', task)!r} "
+                             f"is agentic (its episodes are played turn by turn by the controller): use "
+                             f"rollout_mode='sync' or 'overlap'")
+        if algorithm.needs_greedy_baseline:
+            raise ValueError(f"rollout_mode='async' does not sample algorithm {algorithm.name!r}'s greedy baseline: "
+                             f"use rollout_mode='sync' or 'overlap'")
+        if not isinstance(cfg.sampler, str) and self.workers > 1:
+            raise ValueError(f"rollout_workers={self.workers} need a sampler each: a Sampler object is one "
+                             f"(use sampler='hf' or 'vllm', or rollout_workers=1)")
+        if cfg.sampler == "vllm" and cfg.cluster == "inline" and self.workers > 1:
+            raise ValueError("vLLM runs one engine per process: rollout_workers > 1 with sampler='vllm' needs "
+                             "cluster='ray'")
 
     def settings(self) -> dict:
         return {"rollout_mode": "async", "max_staleness": self.max_staleness, "rollout_workers": self.workers}

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rlbench import models, tasks
-from rlbench.agents import EnvPool, EpisodeRunner, Renderer, get_parser
+from rlbench import algorithms, models, tasks
+from rlbench.agents import EnvPool, EpisodeHandle, EpisodeRunner, Renderer, get_parser
 from rlbench.algorithms import Algorithm
 from rlbench.batch import Batch, left_pad
 from rlbench.cluster import Pending, Ray, WorkerGroup, acquire_ray, check_resources, release_ray
@@ -31,6 +31,7 @@ from rlbench.policy.training import OptimSettings
 from rlbench.rewards import TaskScorer
 from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams, VLLMSampler
 from rlbench.samplers import vllm as vllm_sampler
+from rlbench.sources import mode_of
 
 
 class PolicyHandle:
@@ -332,7 +333,7 @@ class Workers:
     teacher: ReferenceHandle | None = None
     """The on-policy distillation teacher (`Config.teacher`), or None."""
     rollout: list[SamplerHandle] | None = None
-    """An asynchronous run's rollout workers (`rollout_mode="async"`); `sampler` is the first of them."""
+    """The rollout mode's rollout workers (`RolloutMode.rollout_workers()`: rl.Async's); `sampler` is the first."""
     restart_rollout: Callable[[int], SamplerHandle] | None = None
     """Replace rollout worker i (it died) with a new one behind the same handle, and return the handle."""
 
@@ -370,12 +371,38 @@ class Workers:
                                        baseline_finished=greedy["finished"][rows])
         return batch, tokens
 
-    def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list]:
-        """(score [B], its named components, the error of each sample or None) of a batch's samples: the task's reward
-        over the completions; an agentic task's episodes were scored by their environments as they ended."""
+    def episode(self, example: dict, *, greedy: bool, version: int, seed: int) -> EpisodeHandle:
+        """A new episode of an agentic task to step by hand (`version`: the weights' version its tokens record,
+        `seed`: of its sampled turns); ValueError for a task of single completions."""
+        if self.episodes is None:
+            raise ValueError("episode: the session's task is not agentic (an rl.tasks.AgentTask); its rollouts are "
+                             "single completions: s.rollout()")
+        self.episodes.version, self.episodes.seed = version, seed
+        return EpisodeHandle(self.episodes.start([example], greedy=greedy)[0], self.episodes)
+
+    def score(self, batch: Batch) -> Batch:
+        """`batch` with its samples scored: `score` [B], its named components (listed in `meta["reward_components"]`),
+        `reward_error` (each sample's error or None), and `baseline_reward` when it has a greedy baseline. The task's
+        reward runs over the completions; an agentic task's episodes were scored by their environments as they ended."""
         if batch.meta.get("agentic"):
-            return batch["score"], {k: batch[k] for k in batch.meta["reward_components"]}, batch["reward_error"]
-        return self.scorer.score(batch["completion"], batch["example"], batch["finished"])
+            components = {k: batch[k] for k in batch.meta["reward_components"]}
+            score_B, errors = batch["score"], batch["reward_error"]
+            baseline = {"baseline_reward": batch["baseline_score"]} if "baseline_score" in batch else {}
+        else:
+            score_B, components, errors = self.scorer.score(batch["completion"], batch["example"], batch["finished"])
+            baseline = {"baseline_reward": self.scorer.score(batch["baseline_completion"], batch["example"],
+                                                             batch["baseline_finished"])[0]} \
+                if "baseline_completion" in batch else {}
+        return batch.with_columns(score=score_B, reward_error=errors, **components, **baseline).with_meta(
+            reward_components=list(components))
+
+    @staticmethod
+    def capped_lengths(batch: Batch) -> torch.Tensor:
+        """[B] the sampled tokens that max_new_tokens caps: a completion's, or an episode's longest turn (each
+        turn is capped on its own)."""
+        if batch.meta.get("agentic"):
+            return algorithms.longest_turns(batch["loss_mask"], batch["turn"])
+        return batch["response_mask"].sum(-1)
 
     def template_report(self, example: dict):
         """For an agentic task, whether its chat template is append-only with this tokenizer on `example`
@@ -401,7 +428,7 @@ def start_workers(cfg: Config, algorithm: Algorithm, task, model_dir: str, token
         raise ValueError("device='cuda' but torch sees no CUDA GPU here: use device='cpu' or 'auto'")
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     gpus = 1 if device == "cuda" and ray is not None else 0
-    samplers = cfg.rollout_workers if cfg.rollout_mode == "async" else 1
+    samplers = mode_of(cfg).rollout_workers() or 1
     processes = cfg.world_size * separate + samplers + 1  # policy ranks (and their reference / critic), samplers, rewards
     groups: list[WorkerGroup] = []
     if ray is not None:
@@ -446,8 +473,8 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
            "critic": algorithm.needs_critic}
     on = {part: (group(part, cfg.world_size) if separate else policy) for part, wanted in own.items() if wanted}
     factory, kwargs, choice, why = _sampler_factory(cfg, model_dir, device)
-    samplers = [group(f"rollout-{i}", 1, concurrency=4) for i in range(cfg.rollout_workers)] \
-        if cfg.rollout_mode == "async" else [group("sampler", 1)]  # async: a rollout, a weights push, an evaluation
+    rollout_workers = mode_of(cfg).rollout_workers()  # each runs a rollout, a weights push and an evaluation at once
+    samplers = [group(f"rollout-{i}", 1, concurrency=4) for i in range(rollout_workers)] or [group("sampler", 1)]
     agentic = isinstance(task, tasks.AgentTask)
     last = group("envs" if agentic else "rewards", 1)
 
@@ -463,7 +490,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
     if "critic" in on:
         builds.append(on["critic"].start_build("critic", Critic, ranks(on["critic"], seed=cfg.seed, optim=dataclasses.replace(
             optim, lr=cfg.critic_lr or cfg.lr))))
-    if cfg.rollout_mode == "async":  # rollout workers: samplers that take new weights mid-generation
+    if rollout_workers:  # samplers that take new weights mid-generation
         builds += [workers.start_build("sampler", _partial_rollouts, [dict(factory=factory, kwargs=kwargs)])
                    for workers in samplers]
     else:
@@ -482,7 +509,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
         ReferenceHandle(on["reference"]) if "reference" in on else None
     teacher = ReferenceHandle(on["teacher"], "teacher") if "teacher" in on else None
     critic = on.get("critic")
-    if cfg.rollout_mode == "async":
+    if rollout_workers:
         def restart_rollout(i: int) -> SamplerHandle:  # the same handle, over a new worker
             dead = rollout[i].workers
             dead.close()

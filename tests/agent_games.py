@@ -30,7 +30,7 @@ def call(name: str, **arguments) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
-class Sums:
+class Sums(rl.Game):
     """Three sums; each answer (digits, then EOS) is an action, the next sum comes back as the observation; a
     right answer's turn reward is 1. `slow`: seconds the step of the first sum (a == slow_a) takes."""
 

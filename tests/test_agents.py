@@ -3,6 +3,7 @@ ones (the trainer's log-probs of sampled tokens equal the sampler's across turns
 gradient)."""
 
 import os
+import pickle
 import shutil
 import time
 
@@ -27,13 +28,14 @@ def tokenizer(chat_dir):
     return rl.models.load_tokenizer(chat_dir)
 
 
-class Calc:
+class Calc(rl.Env):
     """One instance per episode: the example's answer, a calculator tool, reward 1 for the right final answer."""
 
     def reset(self, prompt, answer):
         self.answer = answer
         return prompt
 
+    @rl.tool
     def calc(self, expression: str) -> str:
         """Evaluate an arithmetic expression.
 
@@ -43,10 +45,12 @@ class Calc:
         a, b = expression.split("*")
         return str(int(a) * int(b))
 
+    @rl.tool
     def fail(self, x: int) -> str:
         """Always raises."""
         raise ZeroDivisionError("even operand")
 
+    @rl.tool
     def hang(self) -> str:
         """Never returns in time."""
         time.sleep(3)
@@ -112,8 +116,81 @@ def test_tool_schema_from_signature_and_docstring():
         rl.tool(lambda x: x)
 
 
-def test_environment_tools_are_its_documented_public_methods():
-    assert sorted(tools_of(Calc())) == ["calc", "fail", "hang"]
+def test_environment_tools_are_its_marked_methods_bound_to_the_instance():
+    class Helped(Calc):
+        def helper(self) -> str:
+            """Documented, not marked: not a tool."""
+            return "help"
+
+        def hang(self) -> str:
+            """Overrides a marked method: still a tool."""
+            return "now"
+
+    env = Helped()
+    env.reset("1*2=", "2")
+    tools = tools_of(env)
+    assert sorted(tools) == ["calc", "fail", "hang"]
+    assert tools["calc"](expression="3*4") == "12" and tools["calc"].fn.__self__ is env
+    assert tools["hang"]() == "now" and tools["hang"].description == "Overrides a marked method: still a tool."
+    assert tools_of(Helped)["calc"].schema == tools["calc"].schema  # the class gives the schemas without an instance
+
+
+def test_the_environment_contract_is_checked_when_the_task_is_made():
+    def make(env, **kw):
+        return rl.tasks.AgentTask(EXAMPLES, env=env, **kw)
+
+    class Plain:  # duck-typed: its kind would be a guess
+        def reset(self, prompt):
+            return prompt
+
+        def step(self, action):
+            return "", 0.0, True
+
+    with pytest.raises(ValueError, match=r"env=Plain is not an environment class: subclass rl.Env .* or rl.Game"):
+        make(Plain)
+
+    class Unmarked(rl.Env):
+        def calc(self, expression: str) -> str:
+            """Documented, not marked."""
+
+        def reward(self, episode):
+            return 0.0
+
+    with pytest.raises(ValueError, match=r"Unmarked has no tools \(calc is not marked\): mark a tool method"):
+        make(Unmarked)
+    make(Unmarked, tools=[lambda_tool])  # function tools are enough
+
+    class NoReward(rl.Env):
+        @rl.tool
+        def calc(self, expression: str) -> str:
+            """Evaluate."""
+
+    with pytest.raises(ValueError, match=r"NoReward defines no reward\(episode\): define it, or give the task reward="):
+        make(NoReward)
+    make(NoReward, reward=lambda episode, example: 0.0)
+
+    class Documented(Sums):  # a game with a documented helper is still a game
+        def hint(self) -> str:
+            """A documented helper."""
+            return "add"
+
+    assert rl.agents.EnvPool(Documented).game
+
+    class ToolGame(Sums):
+        @rl.tool
+        def peek(self) -> str:
+            """Tools are for an rl.Env."""
+
+    with pytest.raises(ValueError, match=r"ToolGame is an rl.Game .* it has peek: make it an rl.Env"):
+        make(ToolGame)
+    with pytest.raises(ValueError, match=r"Sums is an rl.Game .* it has lambda_tool"):
+        make(Sums, tools=[lambda_tool])
+
+
+@rl.tool
+def lambda_tool(x: int) -> str:
+    """A function tool."""
+    return str(x)
 
 
 # ----------------------------------------------------------------------------------------------- parser
@@ -170,6 +247,7 @@ def test_session_warns_at_start_up_when_the_template_drifts(chat_dir, tmp_path):
 def test_an_episode_keeps_the_sampled_tokens_and_marks_what_made_each(chat_dir, tokenizer):
     s = session(chat_dir, tokenizer, {0: lambda c: call("calc", expression=question(c))})
     ep = s.episode(EXAMPLES[0])
+    assert isinstance(ep, rl.agents.EpisodeHandle) and isinstance(ep.record, rl.agents.Episode)
     ep.step()
     assert [(c.name, c.arguments) for c in ep.pending_tool_calls] == [("calc", {"expression": "12*45"})]
     assert ep.turns[0].stop_reason == "tool_call" and not ep.done
@@ -215,6 +293,10 @@ def test_rollout_batch_rows_and_masks(chat_dir, tokenizer):
     assert (batch["sampler_logp"][batch["loss_mask"] == 1] < 0).all()
     assert batch["turns"].tolist() == [2] * 4 and batch["tool_calls"].tolist() == [1] * 4
     assert batch["stop_reason"] == ["eos"] * 4 and batch["version"].max() == 0
+    record = batch["episode"][0]  # a record: plain data that pickles, with nothing to step
+    again = pickle.loads(pickle.dumps(record))
+    assert type(again) is rl.agents.Episode and again.ids == record.ids and again.score == record.score == 1.0
+    assert not hasattr(record, "step")
     scored = s.advantage(s.score(batch))
     assert scored["score"].tolist() == [1.0] * 4
     row = s.step()
@@ -323,7 +405,7 @@ def test_a_slow_tool_does_not_hold_up_the_other_episodes(chat_dir, tokenizer):
 
 
 def test_game_environments_take_each_turn_as_an_action_with_per_turn_rewards(chat_dir, tokenizer):
-    class Guess:
+    class Guess(rl.Game):
         def reset(self, **_):
             self.answer, self.tries = "540", 0
             return "guess the number"

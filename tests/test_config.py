@@ -1,13 +1,14 @@
 """Config.check(): every field rejects a wrong type, a NaN or infinity and an out-of-range value, naming the
 field, the value and what it accepts; the table below has rows for every field (a new field needs its own)."""
 
+import inspect
 import math
 import typing
 
 import pytest
 
 import rlbench as rl
-from rlbench.config import Config, conforms, make_config
+from rlbench.config import Config, conforms, grouped_keywords, make_config
 
 nan, inf = math.nan, math.inf
 
@@ -96,6 +97,10 @@ BAD = [  # (field, value, the start of the error)
     ("rollout", "async", "rollout='async' is not a rollout mode: rl.Sync(), rl.Overlap(), rl.Async(max_staleness=..., "
                          "workers=...) or an rl.RolloutMode of your own"),
     ("rollout", rl.Async(max_staleness=-1), "max_staleness must be an integer >= 0, got -1"),
+    ("vllm", "fast", "vllm='fast' is not an rl.VLLM(...) (or a table of its knobs)"),
+    ("vllm", rl.VLLM(sleep=True, gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization must be a float in (0, 1]"),
+    ("reward_runner", rl.VLLM(sleep=True), "reward_runner=rl.VLLM(sleep=True) is not an rl.RewardRunner(...)"),
+    ("reward_runner", {"workers": 0}, "reward_workers must be a positive integer, got 0"),
     ("rollout_mode", "asynch", "rollout_mode='asynch' is not one of: 'sync', 'overlap', 'async'"),
     ("rollout_mode", None, "rollout_mode: expected str, got None (NoneType)"),
     ("max_staleness", -1, "max_staleness must be an integer >= 0, got -1"),
@@ -152,6 +157,7 @@ TOGETHER = [  # fields that pass on their own but not together
     (dict(overlap_rollout=True, rollout_mode="async"), "overlap_rollout=True is rollout_mode='overlap', not 'async'"),
     (dict(rollout_workers=2), "rollout_workers=2 applies to rollout_mode='async' only (this session's is 'sync')"),
     (dict(rollout_mode="async", vllm_sleep=True), "vllm_sleep frees a GPU the sampler shares with the policy"),
+    (dict(vllm=rl.VLLM(sleep=True), vllm_sleep=False), "vllm=rl.VLLM(sleep=True) and vllm_sleep=False disagree"),
 ]
 
 HINTS = typing.get_type_hints(Config)
@@ -226,6 +232,29 @@ def test_every_field_has_its_docstring():
     assert docs["lr"] == "Peak learning rate of AdamW."
     assert docs["vllm_sleep"].startswith("vLLM sampler on a GPU shared with the policy: sleep during update()")
     assert "\n    " not in docs["precision"]  # continuation lines lose the class body's indent
+
+
+def test_a_group_sets_the_flat_fields_of_its_knobs_and_takes_their_defaults_and_docs():
+    config = make_config(vllm=rl.VLLM(sleep=True, max_model_len=512), reward_runner={"workers": 2, "on_error": "zero"})
+    assert (config.vllm_sleep, config.vllm_max_model_len, config.vllm_enforce_eager) == (True, 512, None)
+    assert (config.reward_workers, config.on_reward_error, config.reward_timeout_s) == (2, "zero", 30.0)
+    assert config.reward_runner == rl.RewardRunner(workers=2, on_error="zero")  # a recipe's table, made a group
+    assert config.to_record()["vllm"] is None and config.to_record()["vllm_sleep"] is True  # kept as flat fields
+    restored = Config.from_record(config.to_record())
+    assert (restored.vllm_sleep, restored.vllm_max_model_len, restored.reward_workers) == (True, 512, 2)
+    parameters = inspect.signature(rl.VLLM).parameters
+    assert list(parameters) == ["kv_cache_bytes", "max_model_len", "enforce_eager", "gpu_memory_utilization", "sleep"]
+    assert parameters["sleep"].default is False and parameters["max_model_len"].annotation == int | None
+    assert "sleep (vllm_sleep): vLLM sampler on a GPU shared with the policy" in rl.VLLM.__doc__
+    with pytest.raises(TypeError, match=r"rl.RewardRunner has no knob\(s\) \['worker'\]; its knobs: workers, "):
+        rl.RewardRunner(worker=2)
+
+
+def test_knobs_given_by_their_flat_names_are_deprecated_with_the_group_form():
+    assert grouped_keywords({"lr": 1e-3}) is None
+    assert grouped_keywords({"vllm_sleep": True, "reward_processes": True, "lr": 1e-3}) == (
+        "vllm_sleep, reward_processes: these knobs are set together now, vllm=rl.VLLM(sleep=True), "
+        "reward_runner=rl.RewardRunner(processes=True) here; the flat keywords still work, for a while")
 
 
 def test_paths_are_accepted_as_strings(tmp_path):

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 import rlbench.models as models
+from rlbench.agents import tools_of
 from rlbench.models import calculator_data as data
 from rlbench.models import tiny_tools
 from rlbench.models.warm_start import sft_tensors
@@ -181,12 +182,12 @@ def test_calculator_environment():
 
 
 def test_calc_signature_and_docstring_declare_the_tool():
-    """Its public methods besides reset and reward are the tools: calc(expression: str) -> str, documented."""
-    tools = [n for n, _ in inspect.getmembers(Calculator, inspect.isfunction) if not n.startswith("_")]
-    assert sorted(tools) == ["calc", "reset", "reward"]
-    assert list(inspect.signature(Calculator.calc).parameters) == ["self", "expression"]
-    assert typing.get_type_hints(Calculator.calc) == {"expression": str, "return": str}
-    doc = inspect.getdoc(Calculator.calc)
+    """Its one tool is its marked method calc(expression: str) -> str, documented."""
+    tools = tools_of(Calculator)
+    assert list(tools) == ["calc"]
+    assert list(inspect.signature(tools["calc"].fn).parameters) == ["self", "expression"]
+    assert typing.get_type_hints(tools["calc"].fn) == {"expression": str, "return": str}
+    doc = inspect.getdoc(tools["calc"].fn)
     assert doc.splitlines()[0] and "Args:\n    expression: " in doc
 
 

@@ -1,12 +1,8 @@
 """Agentic RL: multi-turn episodes with tool calls, kept as the exact tokens the sampler saw.
 
-    @rl.tool
-    def calculator(expression: str) -> str:
-        \"\"\"Evaluate an arithmetic expression.\"\"\"
-        ...
-
-    class Calculator:                          # an environment: one instance per episode
+    class Calculator(rl.Env):                  # an environment: one instance per episode
         def reset(self, prompt, answer): ...   # the example's fields as keywords -> the first user turn
+        @rl.tool
         def calc(self, expression: str) -> str: \"\"\"A tool (type hints + docstring).\"\"\" ...
         def reward(self, episode) -> float: ...
 
@@ -16,20 +12,22 @@
     batch = s.rollout()                                     # every episode of the step, turn by turn, batched
     rl.agents.check_template(tokenizer, messages)          # is the chat template append-only?
 
-The pieces: `tools` (function tools, an environment's tools, their JSON schemas), `parsers` (tool-call parsing:
-Hermes / Qwen built in), `render` (append-only rendering and the template check), `envs` (the environment
-worker), `episode` (an episode's tokens and its Batch row), `rollout` (stepping episodes, batched or by hand),
-`code` (`python_tool`: Python code run in the sandbox of `rlbench.rewards`).
+The pieces: `env` (the contract: `Env`, `Game`, which methods are tools), `tools` (`@rl.tool`: a callable with
+its JSON schema), `parsers` (tool-call parsing: Hermes / Qwen built in), `render` (append-only rendering and the
+template check), `envs` (the environment worker), `episode` (an episode's record, its Batch row, and the handle
+that steps one by hand), `rollout` (stepping episodes, batched or by hand), `code` (`python_tool`: Python code
+run in the sandbox of `rlbench.rewards`).
 """
 
 from rlbench.agents.code import python_tool
+from rlbench.agents.env import Env, Game, tools_of
 from rlbench.agents.envs import EnvPool
 from rlbench.agents.episode import ENDS, Episode, Turn, to_batch
 from rlbench.agents.parsers import HermesParser, Parser, ToolCall, get_parser
 from rlbench.agents.render import KINDS, Renderer, TemplateReport, check_template
-from rlbench.agents.rollout import EpisodeRunner
-from rlbench.agents.tools import Tool, tool, tools_of
+from rlbench.agents.rollout import EpisodeHandle, EpisodeRunner
+from rlbench.agents.tools import Tool, tool
 
-__all__ = ["ENDS", "EnvPool", "Episode", "EpisodeRunner", "HermesParser", "KINDS", "Parser", "Renderer",
-           "TemplateReport", "Tool", "ToolCall", "Turn", "check_template", "get_parser", "python_tool", "to_batch", "tool",
-           "tools_of"]
+__all__ = ["ENDS", "Env", "EnvPool", "Episode", "EpisodeHandle", "EpisodeRunner", "Game", "HermesParser", "KINDS",
+           "Parser", "Renderer", "TemplateReport", "Tool", "ToolCall", "Turn", "check_template", "get_parser",
+           "python_tool", "to_batch", "tool", "tools_of"]

@@ -1,19 +1,12 @@
 """The environment worker: one environment instance per episode, tools run in threads with a time limit.
 
-Three kinds of environment, all driven the same way:
-
-- a class with tools (TRL's `environment_factory`): `reset(**example_fields)` returns the first user turn (a
-  string or chat messages), its public methods with type hints and a docstring are tools, `reward(episode)`
-  scores the finished episode;
-- function tools only (`AgentTask(tools=[calculator], reward=...)`): the example's prompt starts the episode;
-- a game (`step(action_text) -> (observation, reward, done)`): each assistant turn is an action, the
-  observation comes back as a user message, the step rewards are per-turn rewards.
-
-`EnvPool` holds the instances of running episodes, in the controller's process (inline) or in a Ray actor of its
-own (the environments then run off the driver). Work is submitted per episode and collected by `poll`: a tool
-that takes long holds up only its own episode, never the others. Everything that goes wrong (a reset that
-raises, a malformed or unknown call, bad arguments, a tool that raises or outlives its time limit, a reward
-that raises) comes back as a message and a reason, never as an exception out of the pool.
+Every kind of environment (`rlbench.agents.env`: an `Env` with tools, a `Game`, or function tools alone, the
+example's prompt starting the episode) is driven the same way. `EnvPool` holds the instances of running
+episodes, in the controller's process (inline) or in a Ray actor of its own (the environments then run off the
+driver). Work is submitted per episode and collected by `poll`: a tool that takes long holds up only its own
+episode, never the others. Everything that goes wrong (a reset that raises, a malformed or unknown call, bad
+arguments, a tool that raises or outlives its time limit, a reward that raises) comes back as a message and a
+reason, never as an exception out of the pool.
 """
 
 from __future__ import annotations
@@ -25,22 +18,22 @@ import threading
 import time
 from collections.abc import Callable
 
+from rlbench.agents.env import check, is_game, tools_of
 from rlbench.agents.parsers import ToolCall
-from rlbench.agents.tools import ENV_METHODS, Tool, tools_of
+from rlbench.agents.tools import Tool
 
 
 class EnvPool:
     """Environment instances by episode key (see the module docstring); every method returns, none raises
     for an environment's failure."""
 
-    def __init__(self, env: Callable | None, tools: tuple = (), reward: Callable | None = None,
+    def __init__(self, env: type | None, tools: tuple = (), reward: Callable | None = None,
                  system: str | None = None, tool_timeout_s: float | None = 10.0):
-        if env is None and reward is None:
-            raise ValueError("an agentic task needs an environment with reward(episode), or reward=")
-        self.env_factory, self.extra_tools, self.reward_fn = env, tuple(tools), reward
+        check(env, tuple(tools), reward)
+        self.env_class, self.extra_tools, self.reward_fn = env, tuple(tools), reward
         self.system, self.tool_timeout_s = system, tool_timeout_s
-        self.game = env is not None and callable(getattr(env, "step", None)) and not _has_tools(env)
-        """A game: each assistant turn is an action for `step` (an environment with tools is driven by its tools)."""
+        self.game = is_game(env)
+        """A game: each assistant turn is an action for `step`."""
         self.envs: dict[int, object] = {}
         self.tools: dict[int, dict[str, Tool]] = {}
         self.done: dict[int, object] = {}  # key -> finished job's result
@@ -52,9 +45,8 @@ class EnvPool:
         out = []
         for key, example in zip(keys, examples):
             try:
-                env = self.env_factory() if self.env_factory is not None else None
-                first = _call_with_fields(env.reset, example) if env is not None and hasattr(env, "reset") \
-                    else example["prompt"]
+                env = self.env_class() if self.env_class is not None else None
+                first = _call_with_fields(env.reset, example) if env is not None else example["prompt"]
                 messages = [{"role": "user", "content": first}] if isinstance(first, str) else [dict(m) for m in first]
                 if self.system and not (messages and messages[0]["role"] == "system"):
                     messages.insert(0, {"role": "system", "content": self.system})
@@ -66,8 +58,7 @@ class EnvPool:
 
     def info(self) -> dict:
         """{"schemas": the tools' JSON schemas, "game": whether turns are actions for `step`}."""
-        env = self.env_factory() if self.env_factory is not None else None
-        return {"schemas": [t.schema for t in tools_of(env, self.extra_tools).values()], "game": self.game}
+        return {"schemas": [t.schema for t in tools_of(self.env_class, self.extra_tools).values()], "game": self.game}
 
     def submit(self, key: int, calls: list[ToolCall] | None = None, action: str | None = None) -> None:
         """Run an episode's tool calls in order (or, for a game, its action) in a thread of their own; `poll`
@@ -98,10 +89,10 @@ class EnvPool:
         try:
             if self.reward_fn is not None:
                 value = self.reward_fn(episode, episode.example)
-            elif env is not None and hasattr(env, "reward"):
+            elif env is None:  # its reset failed (the episode records why): nothing to score
+                return 0.0, {}, [], None
+            else:
                 value = env.reward(episode)
-            else:  # a game without reward(): the sum of its step rewards
-                value = [t.reward or 0.0 for t in episode.turns]
             return (*_reward_parts(value), None)
         except Exception as error:  # noqa: BLE001
             return 0.0, {}, [], f"reward raised {_describe(error)}"
@@ -109,11 +100,11 @@ class EnvPool:
             self.close([key])
 
     def close(self, keys: list[int]) -> None:
-        """End these episodes' environments (their `close()` if they have one)."""
+        """End these episodes' environments (`close()`)."""
         for key in keys:
             env = self.envs.pop(key, None)
             self.tools.pop(key, None)
-            if env is not None and callable(getattr(env, "close", None)):
+            if env is not None:
                 try:
                     env.close()
                 except Exception:  # noqa: BLE001 - closing is best effort
@@ -161,11 +152,6 @@ class EnvPool:
         if "error" in box:
             return _error(f"{what} raised {_describe(box['error'])}")
         return box["value"], None
-
-
-def _has_tools(env_class) -> bool:
-    return any(not n.startswith("_") and n not in ENV_METHODS and inspect.getdoc(f)
-               for n, f in inspect.getmembers(env_class, inspect.isfunction))
 
 
 def _call_with_fields(fn: Callable, example: dict):

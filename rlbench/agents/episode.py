@@ -55,13 +55,12 @@ class Turn:
 
 
 class Episode:
-    """One episode's conversation and tokens; `step()` advances it by one sampled turn or one round of tools.
-
-    Made by `s.episode(example)` (stepped by hand) or by `s.rollout()` (all episodes of a step, turn by turn).
+    """One episode's record: its conversation, tokens and score. Plain data (it pickles, and a Batch keeps it in its
+    "episode" column); `s.episode(example)` returns an `EpisodeHandle` that steps one by hand.
     """
 
     def __init__(self, key: int, example: dict, messages: list[dict] | None, prompt_ids: list[int],
-                 error: str | None = None, runner=None, greedy: bool = False):
+                 error: str | None = None, greedy: bool = False):
         self.key, self.example, self.prompt_ids, self.greedy = key, example, list(prompt_ids), greedy
         self.messages: list[dict] = list(messages or [])
         """The conversation as messages (assistant contents as sampled)."""
@@ -87,7 +86,6 @@ class Episode:
         self.components: dict[str, float] = {}
         self.turn_rewards: list[float] = []
         self.reward_error: str | None = error
-        self._runner = runner
 
     # ------------------------------------------------------------------------------------ state
     @property
@@ -128,36 +126,12 @@ class Episode:
         self.stop_reason = reason
         self.pending_tool_calls, self.awaiting_env = [], False
 
-    # ------------------------------------------------------------------------ stepping by hand
-    def step(self) -> Episode:
-        """Sample the next assistant turn (stopping at a tool call), or, when calls are pending, run the tools
-        and append what they return (or append `pending_tool_results` if `run_tools()` already ran them)."""
-        self._bound().step(self)
-        return self
-
-    def run_tools(self) -> list[str]:
-        """Run the pending calls without appending their results: edit `pending_tool_results`, then `step()`."""
-        return self._bound().run_tools(self)
-
-    def reward(self) -> float:
-        """Score the episode with its environment's reward (ends it first if it is still running)."""
-        return self._bound().finish(self)
-
-    def _bound(self):
-        if self._runner is None:
-            raise RuntimeError("this episode is a record (from a Batch): step a new one with s.episode(example)")
-        return self._runner
-
-    def __getstate__(self):  # a record without the session's runner (Ray, pickling a Batch)
-        return {k: v for k, v in self.__dict__.items() if k != "_runner"} | {"_runner": None}
-
     # ------------------------------------------------------------------------------------ views
     def to_pandas(self, tokenizer=None):
         """One row per response token: position, id, text (with a tokenizer), kind, turn, trainable, the
         sampler's log-prob (sampled tokens), weights version."""
         import pandas as pd
 
-        tokenizer = tokenizer or (self._runner.tokenizer if self._runner is not None else None)
         return pd.DataFrame({
             "position": range(len(self.prompt_ids), len(self.prompt_ids) + len(self.ids)), "token_id": self.ids,
             **({"text": [readable_decode(tokenizer, [t]) for t in self.ids]} if tokenizer is not None else {}),
@@ -173,7 +147,6 @@ class Episode:
         return HTML(self._repr_html_(tokenizer))
 
     def _repr_html_(self, tokenizer=None) -> str:
-        tokenizer = tokenizer or (self._runner.tokenizer if self._runner is not None else None)
         if tokenizer is None:
             return f"<pre>{html.escape(repr(self))}</pre>"
         colours = {"sampled": "#d8f0d8", "tool": "#f6e3c4", "template": "#e4e4e4"}

@@ -1,4 +1,4 @@
-"""Running episodes: one by hand (`Episode.step`), or all of a step's episodes batched, turn by turn.
+"""Running episodes: one by hand (`EpisodeHandle.step`), or all of a step's episodes batched, turn by turn.
 
 The batched loop (`EpisodeRunner.rollout`): every episode waiting for its next turn is sampled in one sampler
 call; episodes whose turn called tools hand the calls to the environment worker and wait; whatever tools have
@@ -55,10 +55,10 @@ class EpisodeRunner:
             if error is not None:  # the prompt, if the example has one, keeps the row trainable-shaped
                 prompt = example.get("prompt") if isinstance(example, dict) else None
                 ids = self.renderer.prompt_ids(_as_messages(prompt)) if prompt else [self.tokenizer.eos_token_id]
-                episodes.append(Episode(key, example, None, ids, error=error, runner=self, greedy=greedy))
+                episodes.append(Episode(key, example, None, ids, error=error, greedy=greedy))
                 continue
             ids = self.renderer.prompt_ids(messages)
-            episode = Episode(key, example, messages, ids, runner=self, greedy=greedy)
+            episode = Episode(key, example, messages, ids, greedy=greedy)
             episode.states.append(self.renderer.render(messages, generation_prompt=True))
             if len(ids) >= self.max_context:
                 episode.end("context_full")
@@ -167,7 +167,7 @@ class EpisodeRunner:
 
     # -------------------------------------------------------------------------------- by hand
     def step(self, ep: Episode) -> None:
-        """`Episode.step`: a sampled turn, or the pending tools' results appended."""
+        """`EpisodeHandle.step`: a sampled turn, or the pending tools' results appended."""
         if ep.done:
             raise RuntimeError(f"the episode has ended ({ep.stop_reason}); ep.reward() scores it")
         if ep.pending_tool_results is not None:
@@ -229,6 +229,62 @@ class EpisodeRunner:
     def _seed(self, ep: Episode) -> int:
         digest = hashlib.blake2b(f"{self.seed}/{ep.key}/{len(ep.turns)}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") >> 2
+
+
+class EpisodeHandle:
+    """An episode stepped by hand, what `s.episode(example)` returns: `step()` samples the next turn (stopping at a
+    tool call) or runs the pending calls and appends their results; `run_tools()` runs them without appending
+    (edit `pending_tool_results`, then `step()`); `reward()` ends and scores it. Everything else is its `record`'s
+    (an `Episode`: `ep.turns`, `ep.pending_tool_calls`, `ep.final_text`, ...); `show()` and `to_pandas()` decode
+    with the session's tokenizer."""
+
+    def __init__(self, record: Episode, runner: EpisodeRunner):
+        self.record, self.runner = record, runner
+
+    def step(self) -> EpisodeHandle:
+        self.runner.step(self.record)
+        return self
+
+    def run_tools(self) -> list[str]:
+        return self.runner.run_tools(self.record)
+
+    def reward(self) -> float:
+        return self.runner.finish(self.record)
+
+    @property
+    def pending_tool_calls(self) -> list:
+        """The calls of the last turn, not yet run: edit them before the next `step()`."""
+        return self.record.pending_tool_calls
+
+    @pending_tool_calls.setter
+    def pending_tool_calls(self, calls: list) -> None:
+        self.record.pending_tool_calls = calls
+
+    @property
+    def pending_tool_results(self) -> list[str] | None:
+        """Results of `run_tools()`, not yet appended: edit them before the next `step()`."""
+        return self.record.pending_tool_results
+
+    @pending_tool_results.setter
+    def pending_tool_results(self, results: list[str] | None) -> None:
+        self.record.pending_tool_results = results
+
+    def to_pandas(self):
+        return self.record.to_pandas(self.runner.tokenizer)
+
+    def show(self):
+        return self.record.show(self.runner.tokenizer)
+
+    def _repr_html_(self) -> str:
+        return self.record._repr_html_(self.runner.tokenizer)
+
+    def __getattr__(self, name: str):  # reading the record's fields and views: ep.turns, ep.done, ep.messages
+        if name in ("record", "runner"):  # not set yet (unpickling): never recurse
+            raise AttributeError(name)
+        return getattr(self.record, name)
+
+    def __repr__(self) -> str:
+        return repr(self.record)
 
 
 def _sampled_run(ep: Episode) -> int:

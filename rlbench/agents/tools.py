@@ -12,21 +12,20 @@
     calculator.schema      # {"type": "function", "function": {"name": "calculator", "description": ..., "parameters": ...}}
     calculator(expression="1+2")
 
-An environment's public methods with type hints and a docstring are its tools (`tools_of`), bound to the
-episode's instance. Arguments are checked against the signature before the call (`Tool.check`), so a model's
-wrong call becomes a clear message for it to read, not an exception deep inside the tool.
+An environment's methods marked `@rl.tool` are its tools (`rlbench.agents.env.tools_of`), bound to the
+episode's instance when read from it. Arguments are checked against the signature before the call
+(`Tool.check`), so a model's wrong call becomes a clear message for it to read, not an exception deep inside the
+tool.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import typing
 from collections.abc import Callable
 from typing import Any
-
-ENV_METHODS = frozenset({"reset", "reward", "step", "close"})
-"""An environment's methods that are its protocol, never tools."""
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
                                dict: "object"}
@@ -90,6 +89,14 @@ class Tool:
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
+    def __get__(self, instance, owner=None) -> Tool:
+        """A method marked `@rl.tool`, read from an environment instance: the tool bound to that instance."""
+        if instance is None:
+            return self
+        bound = copy.copy(self)
+        bound.fn = self.fn.__get__(instance, owner)
+        return bound
+
     def __repr__(self) -> str:
         return f"Tool({self.name}({', '.join(self.params)}): {self.description})"
 
@@ -101,22 +108,6 @@ def tool(fn: Callable | None = None, *, name: str | None = None):
     if fn is None:
         return lambda f: Tool(f, name)
     return Tool(fn, name)
-
-
-def tools_of(env: object, extra: list | tuple = ()) -> dict[str, Tool]:
-    """An environment instance's tools by name: its public methods with a docstring (not reset / reward /
-    step / close), then `extra` (functions or `Tool`s). ValueError on two tools with the same name."""
-    found: dict[str, Tool] = {}
-    if env is not None:
-        for name, member in inspect.getmembers(type(env), inspect.isfunction):
-            if not name.startswith("_") and name not in ENV_METHODS and inspect.getdoc(member):
-                found[name] = Tool(getattr(env, name), name)
-    for item in extra:
-        t = item if isinstance(item, Tool) else Tool(item)
-        if t.name in found:
-            raise ValueError(f"two tools are named {t.name!r}")
-        found[t.name] = t
-    return found
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:

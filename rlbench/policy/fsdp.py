@@ -194,5 +194,6 @@ def merge_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 
 def loss_mask(batch: Batch) -> torch.Tensor:
-    """Tokens the loss counts: `loss_mask` when rollout correction rejected some, else every response token."""
+    """Tokens the loss counts: `loss_mask` where the batch has one (an episode's sampled tokens; those rollout
+    correction kept), else every response token."""
     return batch.tensors.get("loss_mask", batch["response_mask"]).float()

@@ -3,15 +3,17 @@
     task = rl.tasks.AgentTask(train, test, env=Calculator, max_turns=4)
     task = rl.tasks.AgentTask(train, test, tools=[calculator], reward=lambda episode, example: ...)
 
-The environment is a class (one instance per episode: `reset(**example) -> first user turn`, tools as typed,
-documented methods, `reward(episode)`), or a game (`step(action_text) -> observation, reward, done`); see
-`rlbench.agents`. The task only carries them: the session's environment worker runs them.
+The environment is an `rl.Env` class (one instance per episode: `reset(**example) -> first user turn`, tools
+marked `@rl.tool`, `reward(episode)`) or an `rl.Game` class (`step(action_text) -> observation, reward, done`);
+see `rlbench.agents.env`. The task only carries them: the session's environment worker runs them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from rlbench.agents.env import check
 
 
 @dataclass(frozen=True)
@@ -20,8 +22,8 @@ class AgentTask:
 
     train: Sequence[dict] = field(repr=False)
     test: Sequence[dict] = field(default=(), repr=False)
-    env: Callable | None = None
-    """The environment class (or any factory of one instance per episode)."""
+    env: type | None = None
+    """The environment class (`rl.Env` or `rl.Game`), instantiated once per episode."""
     tools: tuple = ()
     """Function tools (`@rl.tool`), besides the environment's own."""
     reward: Callable | None = None
@@ -45,10 +47,7 @@ class AgentTask:
         object.__setattr__(self, "train", tuple(self.train))
         object.__setattr__(self, "test", tuple(self.test))
         object.__setattr__(self, "tools", tuple(self.tools))
-        if self.env is None and self.reward is None:
-            raise ValueError("an AgentTask needs env= (with reward(episode)) or reward=")
-        if self.env is None and not self.tools:
-            raise ValueError("an AgentTask without env= needs tools=")
+        check(self.env, self.tools, self.reward)
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be at least 1, got {self.max_turns}")
         if not self.train:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import final
 
+from rlbench.agents.env import Env
+from rlbench.agents.tools import tool
 from rlbench.models import calculator_data as data
 
 
@@ -22,7 +24,7 @@ def calculator_split() -> tuple[tuple[dict, ...], tuple[dict, ...]]:
 
 
 @final
-class Calculator:
+class Calculator(Env):
     """One episode of a calculator problem. Its tool is `calc`; the reward is 1.0 for exactly the product.
 
     Reward {"score": s, "acc": s}: s is 1.0 when the last assistant message, stripped, is the answer, else 0.0.
@@ -33,6 +35,7 @@ class Calculator:
         self.answer = answer
         return list(prompt)
 
+    @tool
     def calc(self, expression: str) -> str:
         """Evaluate an arithmetic expression exactly.
 
