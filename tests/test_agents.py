@@ -4,6 +4,7 @@ gradient)."""
 
 import os
 import pickle
+import re
 import shutil
 import time
 
@@ -376,6 +377,87 @@ def test_a_reward_that_raises_is_recorded(chat_dir, tokenizer):
     batch = s.score(s.rollout())
     assert batch["reward_error"][0] == "reward raised ValueError: reward 'acc' is nan"
     assert batch["score"].tolist() == [0.0] * 4
+    s.close()
+
+
+class HangingReset(Calc):
+    def reset(self, prompt, answer):
+        time.sleep(3)  # past the test's 0.5 s limit (also in Session(), whose template check starts an episode)
+        return prompt
+
+
+class RolelessReset(Calc):
+    def reset(self, prompt, answer):
+        return [{"content": prompt}]
+
+
+class HangingReward(Calc):
+    def reward(self, episode):
+        time.sleep(3)
+        return 1.0
+
+
+class TenTurnRewards(Calc):
+    def reward(self, episode):
+        return [1.0] * 10
+
+
+@pytest.mark.parametrize("env, reason", [
+    (HangingReset, r"reset timed out after 0\.5\d* s"),
+    (RolelessReset, r"reset returned message 0 \{'content': '\d+\*\d+='\}: expected a dict with a string role and "
+                    r"content"),
+    (HangingReward, r"reward timed out after 0\.5\d* s"),
+    (TenTurnRewards, r"reward raised ValueError: reward gave 10 per-turn rewards for an episode of 1 turns"),
+], ids=["reset-hangs", "reset-roleless", "reward-hangs", "reward-turns"])
+def test_an_environment_that_hangs_or_returns_the_wrong_thing_ends_its_episode_with_the_reason(
+        chat_dir, tokenizer, env, reason):
+    # the attacks: each of these hung the session for ever, crashed the renderer or scored 10 for a 1-turn episode
+    start = time.monotonic()
+    s = session(chat_dir, tokenizer, {0: "540"}, env=env)
+    batch = s.score(s.rollout())
+    assert all(re.fullmatch(reason, error) for error in batch["reward_error"]), batch["reward_error"]
+    assert batch["score"].tolist() == [0.0] * 4
+    row = s.step()  # and the step records them, not an exception
+    assert row["reward_mean"] == 0.0 and time.monotonic() - start < 60
+    s.close()
+
+
+@pytest.mark.parametrize("returned, reason", [
+    (("done",), r"step returned \('done',\): expected \(observation, reward, done\) \(.*values to unpack.*\)"),
+    (("", "1", True), r"step returned \('', '1', True\): expected \(observation, reward, done\) \(reward 'step' "
+                      r"must be a number, got str '1'\)"),
+    (("", float("inf"), True), r"step returned \('', inf, True\): expected .* \(reward 'step' is inf\)"),
+])
+def test_a_game_step_that_returns_the_wrong_shape_ends_its_episode_instead_of_waiting_for_ever(
+        chat_dir, tokenizer, returned, reason):
+    class Wrong(rl.Game):
+        def reset(self, **_):
+            return "guess the number"
+
+        def step(self, action: str):
+            return returned
+
+    s = rl.Session(model=chat_dir, task=rl.tasks.AgentTask(EXAMPLES, env=Wrong, max_turns=4), cluster="inline",
+                   sampler=ScriptedSampler(tokenizer, lambda c: tokenizer.encode("1") + [tokenizer.eos_token_id]),
+                   prompts_per_step=1, samples_per_prompt=2, max_new_tokens=8, log_dir=None)
+    batch = s.score(s.rollout())  # was: the episode's thread died before posting a result, the rollout waited for ever
+    assert batch["stop_reason"] == ["error"] * 2 and batch["turns"].tolist() == [1, 1]
+    assert batch["score"].tolist() == [0.0, 0.0] and not batch["finished"].any()
+    assert all(re.fullmatch(reason, e) for e in batch["reward_error"]), batch["reward_error"]
+    s.close()
+
+
+def test_a_step_in_which_no_episode_starts_is_recorded_with_the_reasons(chat_dir, tokenizer):
+    class Broken(Calc):
+        def reset(self, prompt, answer):
+            raise RuntimeError("the level file is missing")
+
+    s = session(chat_dir, tokenizer, {0: "540"}, env=Broken)
+    batch = s.score(s.rollout())
+    assert batch["reward_error"] == ["reset raised RuntimeError: the level file is missing"] * 4
+    assert batch["response_mask"].shape == (4, 1) and batch["response_mask"].sum() == 0  # one padding column
+    row = s.step()  # was: IndexError from amax() over an empty response
+    assert row["reward_mean"] == 0.0
     s.close()
 
 

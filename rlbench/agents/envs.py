@@ -1,12 +1,14 @@
-"""The environment worker: one environment instance per episode, tools run in threads with a time limit.
+"""The environment worker: one environment instance per episode; every call into it runs in a thread with a time
+limit.
 
 Every kind of environment (`rlbench.agents.env`: an `Env` with tools, a `Game`, or function tools alone, the
 example's prompt starting the episode) is driven the same way. `EnvPool` holds the instances of running
 episodes, in the controller's process (inline) or in a Ray actor of its own (the environments then run off the
 driver). Work is submitted per episode and collected by `poll`: a tool that takes long holds up only its own
-episode, never the others. Everything that goes wrong (a reset that raises, a malformed or unknown call, bad
-arguments, a tool that raises or outlives its time limit, a reward that raises) comes back as a message and a
-reason, never as an exception out of the pool.
+episode, never the others. Every call into the user's code (the class, `reset`, a tool, `step`, `reward`,
+`close`) runs under the task's `tool_timeout_s`, and everything that goes wrong (one of them raising, taking
+longer or returning the wrong thing, a malformed or unknown call, bad arguments) comes back as a message and a
+reason, never as an exception out of the pool or a wait without end.
 """
 
 from __future__ import annotations
@@ -41,20 +43,31 @@ class EnvPool:
         self.ready = threading.Condition(self.lock)
 
     def open(self, keys: list[int], examples: list[dict]) -> list[tuple[list[dict] | None, str | None]]:
-        """Start one episode per key: (its first messages, None), or (None, why its environment failed to start)."""
+        """Start one episode per key: (its first messages, None), or (None, why its environment failed to start:
+        the class or `reset` raised, took longer than the time limit, or returned something other than a first
+        turn)."""
         out = []
         for key, example in zip(keys, examples):
-            try:
-                env = self.env_class() if self.env_class is not None else None
-                first = _call_with_fields(env.reset, example) if env is not None else example["prompt"]
-                messages = [{"role": "user", "content": first}] if isinstance(first, str) else [dict(m) for m in first]
-                if self.system and not (messages and messages[0]["role"] == "system"):
-                    messages.insert(0, {"role": "system", "content": self.system})
-                self.envs[key], self.tools[key] = env, tools_of(env, self.extra_tools)
-                out.append((messages, None))
-            except Exception as error:  # noqa: BLE001 - any failure of the user's environment is the episode's
-                out.append((None, f"reset raised {_describe(error)}"))
+            started, error = self._timed(lambda: self._reset(example), "reset")
+            env, first = started if error is None else (None, None)
+            if error is None:
+                try:
+                    messages = _first_messages(first)
+                except ValueError as bad:
+                    error = f"reset returned {bad}"
+            if error is not None:
+                out.append((None, error))
+                self._close(env)
+                continue
+            if self.system and not (messages and messages[0]["role"] == "system"):
+                messages.insert(0, {"role": "system", "content": self.system})
+            self.envs[key], self.tools[key] = env, tools_of(env, self.extra_tools)
+            out.append((messages, None))
         return out
+
+    def _reset(self, example: dict):
+        env = self.env_class() if self.env_class is not None else None
+        return env, _call_with_fields(env.reset, example) if env is not None else example["prompt"]
 
     def info(self) -> dict:
         """{"schemas": the tools' JSON schemas, "game": whether turns are actions for `step`}."""
@@ -84,31 +97,31 @@ class EnvPool:
     def score(self, key: int, episode) -> tuple[float, dict[str, float], list[float], str | None]:
         """(score, components, per-turn rewards, error) of a finished episode, then its environment is closed.
         A reward returns a number, a dict of numbers (components; "score" or their sum is the score; "turns": a
-        list of per-turn rewards), or a list of per-turn rewards (the score is their sum)."""
+        list of per-turn rewards, one per turn of the episode), or a list of per-turn rewards (the score is their
+        sum). A reward that raises, takes longer than the time limit or returns anything else scores 0, saying why."""
         env = self.envs.get(key)
+        if self.reward_fn is None and env is None:  # its reset failed (the episode records why): nothing to score
+            return 0.0, {}, [], None
+        reward = (lambda: self.reward_fn(episode, episode.example)) if self.reward_fn is not None \
+            else (lambda: env.reward(episode))
+        value, error = self._timed(reward, "reward")
+        self.close([key])
+        if error is not None:
+            return 0.0, {}, [], error
         try:
-            if self.reward_fn is not None:
-                value = self.reward_fn(episode, episode.example)
-            elif env is None:  # its reset failed (the episode records why): nothing to score
-                return 0.0, {}, [], None
-            else:
-                value = env.reward(episode)
-            return (*_reward_parts(value), None)
-        except Exception as error:  # noqa: BLE001
-            return 0.0, {}, [], f"reward raised {_describe(error)}"
-        finally:
-            self.close([key])
+            return (*_reward_parts(value, len(episode.turns)), None)
+        except ValueError as bad:
+            return 0.0, {}, [], f"reward raised ValueError: {bad}"
 
     def close(self, keys: list[int]) -> None:
         """End these episodes' environments (`close()`)."""
         for key in keys:
-            env = self.envs.pop(key, None)
             self.tools.pop(key, None)
-            if env is not None:
-                try:
-                    env.close()
-                except Exception:  # noqa: BLE001 - closing is best effort
-                    pass
+            self._close(self.envs.pop(key, None))
+
+    def _close(self, env) -> None:
+        if env is not None:  # best effort, within the time limit
+            self._timed(env.close, "close")
 
     def _run_calls(self, key: int, calls: list[ToolCall]) -> list[tuple[str, str | None]]:
         results = []
@@ -127,11 +140,16 @@ class EnvPool:
         return results
 
     def _run_step(self, key: int, action: str):
-        out = self._timed(lambda: self.envs[key].step(action), "step")
-        if out[1] is not None:
-            return "", 0.0, True, out[1]
-        observation, reward, done = out[0]
-        return str(observation or ""), float(reward or 0.0), bool(done), None
+        """(observation, reward, done, None), or ("", 0.0, True, why) when `step` failed: raised, took too long,
+        or returned anything other than (observation, a finite number, done)."""
+        out, error = self._timed(lambda: self.envs[key].step(action), "step")
+        if error is None:
+            try:
+                observation, reward, done = out
+                return str(observation or ""), _number(reward or 0.0, "step"), bool(done), None
+            except (TypeError, ValueError) as bad:
+                error = f"step returned {out!r:.80}: expected (observation, reward, done) ({bad})"
+        return "", 0.0, True, error
 
     def _timed(self, fn: Callable, what: str):
         """(fn(), None), or (an error message for the model, the reason) when it raised or took too long."""
@@ -162,17 +180,35 @@ def _call_with_fields(fn: Callable, example: dict):
     return fn(**{k: v for k, v in example.items() if k in params})
 
 
-def _reward_parts(value) -> tuple[float, dict[str, float], list[float]]:
-    """(score, components, per-turn rewards) of what a reward returned; ValueError on anything else."""
+def _first_messages(first) -> list[dict]:
+    """The episode's first messages from what `reset` returned: a string (one user turn) or chat messages, each
+    a dict with a "role" and a string "content"; ValueError saying what it got otherwise."""
+    if isinstance(first, str):
+        return [{"role": "user", "content": first}]
+    if not isinstance(first, (list, tuple)) or not first:
+        raise ValueError(f"{first!r:.80}: expected the first user turn, a string or a list of chat messages")
+    for i, message in enumerate(first):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"message {i} {message!r:.80}: expected a dict with a string role and content")
+    return [dict(m) for m in first]
+
+
+def _reward_parts(value, turns: int) -> tuple[float, dict[str, float], list[float]]:
+    """(score, components, per-turn rewards) of what a reward returned for an episode of `turns` turns; ValueError
+    on anything else, per-turn rewards of another length included."""
     if isinstance(value, dict):
-        turns = [_number(v, "turns") for v in value.get("turns", [])]
+        per_turn = [_number(v, "turns") for v in value.get("turns", [])]
         components = {k: _number(v, k) for k, v in value.items() if k != "turns"}
-        score = components.get("score", sum(components.values()) if components else sum(turns))
-        return score, {k: v for k, v in components.items() if k != "score"}, turns
-    if isinstance(value, (list, tuple)):
-        turns = [_number(v, "turns") for v in value]
-        return sum(turns), {}, turns
-    return _number(value, "score"), {}, []
+        score = components.get("score", sum(components.values()) if components else sum(per_turn))
+    elif isinstance(value, (list, tuple)):
+        per_turn, components = [_number(v, "turns") for v in value], {}
+        score = sum(per_turn)
+    else:
+        return _number(value, "score"), {}, []
+    if per_turn and len(per_turn) != turns:
+        raise ValueError(f"reward gave {len(per_turn)} per-turn rewards for an episode of {turns} turns")
+    return score, {k: v for k, v in components.items() if k != "score"}, per_turn
 
 
 def _number(value, name: str) -> float:

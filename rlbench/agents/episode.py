@@ -10,7 +10,7 @@ to, and the weights version that sampled it. Each turn records why it stopped:
     "context_full"  no room left in the model's context (the episode ends)
 
 and the episode why it ended: one of those, or "max_turns" (the last allowed turn called a tool), "env_done"
-(a game said done) or "error" (the environment failed to start).
+(a game said done) or "error" (the environment failed to start, or a game's step failed: `reward_error` says why).
 
 In a Batch an episode is one row (see `to_batch`): `response_mask` covers every token after the prompt (the
 context the trainer runs over), `loss_mask` only the sampled ones (what losses, reductions and estimators use).
@@ -179,7 +179,7 @@ def state_id(text: str) -> int:
 def to_batch(episodes: list[Episode], group_ids: list[int], completions: list[str], *, pad_token_id: int) -> Batch:
     """The rows of finished, scored episodes (the layout is in the module docstring and `rl.agents`);
     `completions`: each episode's response as text."""
-    B, T = len(episodes), max([len(ep.ids) for ep in episodes] + [0])
+    B, T = len(episodes), max([len(ep.ids) for ep in episodes] + [1])  # a padding column when no episode started
     N = max([len(ep.turns) for ep in episodes] + [1])
 
     def padded(rows: list[list], fill, dtype) -> torch.Tensor:

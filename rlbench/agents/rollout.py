@@ -123,8 +123,11 @@ class EpisodeRunner:
         if self.game:
             observation, reward, done, error = results
             turn.reward = reward
-            if error is not None:
+            if error is not None:  # the game failed: the episode ends there, the reason on the turn and the episode
                 turn.errors.append(error)
+                ep.error = ep.reward_error = error
+                ep.end("error")
+                return
             messages = [] if done else [{"role": "user", "content": observation}]
             if done:
                 ep.end("env_done")

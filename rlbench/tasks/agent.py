@@ -36,7 +36,8 @@ class AgentTask:
     system: str | None = None
     """A system message before the first user turn (the chat template adds the tools' schemas)."""
     tool_timeout_s: float | None = 10.0
-    """A tool call running longer gives the model an error message (its thread is left behind); None: no limit."""
+    """A tool call running longer gives the model an error message (its thread is left behind); a `reset`, game
+    `step` or `reward` running longer ends its episode with the reason recorded. None: no limit."""
     max_context_tokens: int | None = None
     """Most tokens of an episode, prompt included (None: the model's context length)."""
     name: str = "agent"
