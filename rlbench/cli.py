@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlbench import algorithms, recipes, stats, sweeps, tasks
+from rlbench import algorithms, models, recipes, stats, sweeps, tasks
 from rlbench.config import Config
 from rlbench.lora import LoRA
 
@@ -124,6 +124,7 @@ def train_and_evaluate(recipe: recipes.Recipe) -> dict:
     """Evaluate, train `recipe.steps` steps, evaluate again; returns both evaluations, wall time, run name."""
     import rlbench as rl
 
+    _check_model(recipe.session.get("model", Config.model), "session.model")
     with rl.Session(**recipe.session_kwargs()) as session:
         print(session, flush=True)
         before = session.evaluate()
@@ -141,6 +142,7 @@ def evaluate(args) -> int:
     import rlbench as rl
 
     _check_positive(args, "samples", "max_prompts", "max_new_tokens")
+    _check_model(args.model, "model")
     task = recipes.build_task(_eval_task(args.task))
     given = {key: value for key, value in [("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature)]
              if value is not None}  # else the session's default
@@ -149,6 +151,14 @@ def evaluate(args) -> int:
         result = session.evaluate(max_prompts=args.max_prompts, samples=args.samples)
     print(json.dumps({"model": args.model, "task": args.task, "k": args.samples, "prompts": prompts, **result}))
     return 0
+
+
+def _check_model(model: str, key: str) -> None:
+    """A `RecipeError` naming `key` when `model` is neither a built-in name nor a local model directory."""
+    try:
+        models.check(model)
+    except ValueError as error:
+        raise recipes.RecipeError(f"{key}: {error}") from None
 
 
 def _check_positive(args, *names: str) -> None:

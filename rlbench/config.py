@@ -341,6 +341,9 @@ class Config:
     def from_record(cls, record: dict, **overrides) -> Config:
         """A checked Config from `to_record()`'s output and replacement values; a field that was a Python
         object must be among `overrides` (ValueError naming it otherwise)."""
+        unknown = sorted(set(overrides) - set(cls.fields()))
+        if unknown:
+            raise TypeError(f"unknown Session argument(s) {unknown}; valid: {', '.join(cls.fields())}")
         values = {k: v for k, v in record.items() if k in cls.fields()} | overrides
         lost = {k: v["python_object"] for k, v in values.items() if isinstance(v, dict) and "python_object" in v}
         if lost:

@@ -14,6 +14,8 @@ Names: the policy's adapter tensors carry peft's live parameter names,
 
 from __future__ import annotations
 
+import math
+
 import os
 import re
 from dataclasses import asdict, dataclass, fields
@@ -46,8 +48,11 @@ class LoRA:
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
-            raise ValueError(f"LoRA alpha must be a number > 0, got {self.alpha!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < math.inf:
+            raise ValueError(f"LoRA alpha must be a finite number > 0, got {self.alpha!r}")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":  # peft: a regex on full names
+            raise ValueError(f"LoRA target_modules={self.target_modules!r}: a single layer name goes in a list, "
+                             f"target_modules=[{self.target_modules!r}] (or 'all-linear')")
         if not (isinstance(self.target_modules, str) or (
                 self.target_modules and all(isinstance(name, str) for name in self.target_modules))):
             raise ValueError(f"LoRA target_modules must be 'all-linear' or a list of layer names, got "

@@ -303,6 +303,9 @@ def check_seeds(seeds, key: str) -> list[int]:
     if not isinstance(seeds, (list, tuple, range)) or not seeds or not all(
             isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 for seed in seeds):
         raise RecipeError(f"{key}: expected one or more integers >= 0, got {seeds!r}")
+    if len(set(seeds)) < len(seeds):
+        raise RecipeError(f"{key}: seed {next(s for s in seeds if list(seeds).count(s) > 1)} appears more than once "
+                          f"in {list(seeds)!r} (each seed is one run)")
     return list(seeds)
 
 

@@ -96,6 +96,12 @@ def plan(grid: dict | Sequence[dict], *, steps: int, seeds: Sequence[int], evalu
         runs += [Run(merged, seed, budget["steps"], budget["evaluate_every"]) for seed in point_seeds]
     if not runs:
         raise recipes.RecipeError("grid: a sweep needs at least one point")
+    first: dict[str, Run] = {}
+    for run in runs:  # a repeated value (lr: [1e-4, 0.0001]) would train one run twice into one folder
+        if (same := first.setdefault(run.run_id, run)) is not run:
+            raise recipes.RecipeError(f"grid: two points make the same run {run.run_id} (seed {run.seed}, "
+                                      f"{json.dumps(same.settings, sort_keys=True, default=repr):.200}): drop the "
+                                      f"repeated value")
     return runs
 
 

@@ -216,6 +216,10 @@ def test_check_template_passes_an_append_only_template(tokenizer):
                 {"role": "tool", "content": "540"}, {"role": "assistant", "content": "540"}]
     report = check_template(tokenizer, messages)
     assert report.ok and len(report.turns) == 2, report
+    # the attack: a list of strings raised "TypeError: string indices must be integers" from inside
+    with pytest.raises(ValueError, match=r"check_template: message 0 'hello': expected a dict with a string role and "
+                                         r"content"):
+        check_template(tokenizer, ["hello"])
 
 
 def test_check_template_reports_the_first_differing_token_of_a_drifting_template(tokenizer):

@@ -97,6 +97,13 @@ def test_one_sample_per_prompt_is_refused_for_a_group_estimator():
         assert s.step()["reward_mean"] >= 0
 
 
+def test_greedy_sampling_is_refused_for_a_group_estimator_whose_advantages_it_makes_all_zero():
+    # the attack: temperature=0 made every group's samples the same completion and trained nothing, step after step
+    with pytest.raises(ValueError, match=r"temperature=0: the 4 samples of a prompt are the same greedy completion, so "
+                                         r"algorithm 'grpo', which compares them .* trains nothing"):
+        rl.Session(**SMALL | dict(temperature=0.0), log_dir=None)
+
+
 def test_a_stage_refuses_another_sessions_batch_naming_both():
     with rl.Session(**SMALL, log_dir=None) as arithmetic, rl.Session(**SMALL | dict(task="reverse"), log_dir=None) as reverse:
         batch = arithmetic.rollout()

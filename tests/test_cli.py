@@ -131,6 +131,18 @@ def test_eval_refuses_a_count_below_one_naming_the_option(option, value, capsys)
     assert capsys.readouterr().err.strip() == f"rlbench eval: {option}: must be a positive integer, got {value}"
 
 
+def test_a_model_folder_that_does_not_exist_is_named_in_one_line(tmp_path, capsys):
+    missing = tmp_path / "no-model"
+    assert cli.main(["eval", str(missing), "--task", "arithmetic"]) == 2
+    assert capsys.readouterr().err.strip() == (f"rlbench eval: model: model '{missing}' is not a built-in model "
+                                               f"({', '.join(rl.models.names())}) nor a local Hugging Face model "
+                                               f"directory: {missing} does not exist")
+    assert cli.main(["run", ARITHMETIC, f"session.model={missing}", "steps=1"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"rlbench run: session.model: model '{missing}' is not a "
+                                                    f"built-in model ({', '.join(rl.models.names())}) nor a local "
+                                                    f"Hugging Face model directory: {missing} does not exist")
+
+
 def test_pass_and_majority_on_hand_worked_samples():
     correct = [[True, False, False],   # one right out of three: passes; the majority answer "7" is wrong
                [True, True, False],    # two equal right answers: passes, majority right

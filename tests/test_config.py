@@ -92,6 +92,9 @@ BAD = [  # (field, value, the start of the error)
     ("teacher", 3, "teacher: expected str or none, got 3 (int)"),
     ("lora", 16, "lora: expected rl.LoRA(...), a table of its fields or None, got 16"),
     ("lora", {"rank": 0}, "LoRA rank must be a positive integer, got 0"),
+    ("lora", {"alpha": inf}, "LoRA alpha must be a finite number > 0, got inf"),  # every loss NaN, every step skipped
+    ("lora", {"target_modules": "q_proj"}, "LoRA target_modules='q_proj': a single layer name goes in a list, "
+                                           "target_modules=['q_proj']"),  # peft reads a string as a regex
     ("on_policy_old_logp", 1, "on_policy_old_logp: expected bool, got 1 (int)"),
     ("overlap_rollout", "no", "overlap_rollout: expected bool, got 'no' (str)"),
     ("rollout", "async", "rollout='async' is not a rollout mode: rl.Sync(), rl.Overlap(), rl.Async(max_staleness=..., "
@@ -223,6 +226,8 @@ def test_the_defaults_pass_and_numbers_take_their_wider_forms():
 def test_an_unknown_key_is_named_with_the_valid_ones():
     with pytest.raises(TypeError, match=r"unknown Session argument\(s\) \['lrr'\]; valid: model, task"):
         make_config(lrr=1e-4)
+    with pytest.raises(TypeError, match=r"unknown Session argument\(s\) \['lrr'\]; valid: model, task"):
+        Config.from_record(Config().to_record(), lrr=1e-3)  # Session.restore(path, lrr=...): was an AttributeError
 
 
 def test_every_field_has_its_docstring():

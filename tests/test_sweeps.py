@@ -122,6 +122,12 @@ def test_bad_settings_name_the_key_and_what_it_accepts(tmp_path):
         rl.Sweep({"algorithm": ["grpo", "grpox"]}, steps=2)
     with pytest.raises(recipes.RecipeError, match=r"grid\[0\].seeds: expected one or more integers >= 0, got 3"):
         rl.Sweep([{"algorithm": "grpo", "seeds": 3}], steps=2)
+    # the attacks: a repeated seed or value trained the same run twice into one folder and doubled its rows
+    with pytest.raises(recipes.RecipeError, match=r"seeds: seed 0 appears more than once in \[0, 1, 0\]"):
+        rl.Sweep({"lr": [1e-4]}, steps=2, seeds=[0, 1, 0])
+    with pytest.raises(recipes.RecipeError, match=r"grid: two points make the same run grpo-seed0-\w+ \(seed 0, "
+                                                  r".*\): drop the repeated value"):
+        rl.Sweep({"lr": [1e-4, 0.0001]}, steps=2)
 
 
 def test_run_ids_depend_on_settings_seed_and_budget_only():

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from rlbench.agents.env import check, is_game, tools_of
 from rlbench.agents.parsers import ToolCall
+from rlbench.agents.render import chat_messages
 from rlbench.agents.tools import Tool
 
 
@@ -52,7 +53,7 @@ class EnvPool:
             env, first = started if error is None else (None, None)
             if error is None:
                 try:
-                    messages = _first_messages(first)
+                    messages = chat_messages(first)
                 except ValueError as bad:
                     error = f"reset returned {bad}"
             if error is not None:
@@ -178,20 +179,6 @@ def _call_with_fields(fn: Callable, example: dict):
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return fn(**example)
     return fn(**{k: v for k, v in example.items() if k in params})
-
-
-def _first_messages(first) -> list[dict]:
-    """The episode's first messages from what `reset` returned: a string (one user turn) or chat messages, each
-    a dict with a "role" and a string "content"; ValueError saying what it got otherwise."""
-    if isinstance(first, str):
-        return [{"role": "user", "content": first}]
-    if not isinstance(first, (list, tuple)) or not first:
-        raise ValueError(f"{first!r:.80}: expected the first user turn, a string or a list of chat messages")
-    for i, message in enumerate(first):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise ValueError(f"message {i} {message!r:.80}: expected a dict with a string role and content")
-    return [dict(m) for m in first]
 
 
 def _reward_parts(value, turns: int) -> tuple[float, dict[str, float], list[float]]:

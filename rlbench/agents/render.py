@@ -110,6 +110,20 @@ class TemplateReport:
     __repr__ = __str__
 
 
+def chat_messages(value) -> list[dict]:
+    """`value` as a copy of its chat messages (a string is one user turn); ValueError saying what it got when it is
+    not a string or a non-empty list of dicts, each with a string "role" and "content"."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{value!r:.80}: expected a string (one user turn) or a list of chat messages")
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"message {i} {message!r:.80}: expected a dict with a string role and content")
+    return [dict(m) for m in value]
+
+
 def check_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> TemplateReport:
     """Render `messages` turn by turn as a sampler sees them (the first prompt, each assistant message's content
     as its sampled tokens, the template's continuations appended) and whole, and report the first differing
@@ -119,6 +133,10 @@ def check_template(tokenizer, messages: list[dict], tools: list[dict] | None = N
     `messages` needs at least one assistant message after the first user turn. The session runs this on its
     task's first example at start-up and warns with the report when it fails.
     """
+    try:
+        messages = chat_messages(messages)
+    except ValueError as error:
+        raise ValueError(f"check_template: {error}") from None
     renderer = Renderer(tokenizer, tools)
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if not first:

@@ -71,14 +71,20 @@ def resolve(model: str | os.PathLike, *, seed: int = 0) -> Path:
     """
     if isinstance(model, str) and model in _BUILTINS:
         return builder(model)(seed)
+    check(model)
+    return Path(model).expanduser()
+
+
+def check(model: str | os.PathLike) -> None:
+    """ValueError (the one `resolve` raises) when `model` is neither a built-in name nor a local Hugging Face model
+    directory; builds and loads nothing."""
+    if isinstance(model, str) and model in _BUILTINS:
+        return
     path = Path(model).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    problem = "has no config.json" if path.is_dir() else "does not exist"
-    raise ValueError(
-        f"model {str(model)!r} is not a built-in model ({', '.join(names())}) "
-        f"nor a local Hugging Face model directory: {path} {problem}"
-    )
+    if not (path / "config.json").is_file():
+        problem = "has no config.json" if path.is_dir() else "does not exist"
+        raise ValueError(f"model {str(model)!r} is not a built-in model ({', '.join(names())}) "
+                         f"nor a local Hugging Face model directory: {path} {problem}")
 
 
 def load(
