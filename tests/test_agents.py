@@ -604,6 +604,30 @@ def test_turn_credit_presets_train_on_episodes_with_per_turn_rewards(tiny_dir, t
     s.close()
 
 
+def test_an_agentic_run_restored_from_a_checkpoint_goes_on_bit_for_bit_with_an_evaluation_in_between(tiny_dir,
+                                                                                                     tmp_path):
+    # the attack: an episode's seed hashed a per-process count of the episodes started, so an evaluate() or an
+    # s.episode() changed later training rollouts, and a restored run (a new count) did not go on as the whole one
+    settings = dict(model=sums_model(tiny_dir, tmp_path), task=sums_task(), sampler="hf", cluster="inline", threads=1,
+                    prompts_per_step=4, samples_per_prompt=4, max_new_tokens=6, seed=1, log_dir=None)
+    with rl.Session(**settings) as s:
+        whole = s.run(4, progress=False)
+    with rl.Session(**settings, save_dir=str(tmp_path / "checkpoints")) as s:
+        s.run(2, progress=False)
+        s.evaluate(max_prompts=2)
+        s.episode().step()
+        path = s.save()
+    with rl.Session.restore(path, task=sums_task()) as s:
+        rest = s.run(2, progress=False)
+    assert whole["reward_mean"].iloc[2:].sum() > 0  # the sums are answered, so the rewards tell runs apart
+    # bit for bit, but for the sampler's own log-probs: which episodes share a sampler call depends on when their
+    # games answer, and a batch's padding moves the sampler's float32 log-probs (not its seeded tokens)
+    noisy = [c for c in whole.columns if c.startswith(("sampler_mismatch", "sampler_kl", "sampler_ratio"))]
+    exact = [c for c in whole.columns if not c.startswith("time_") and c not in noisy]
+    assert noisy and rest[exact].iloc[-2:].reset_index(drop=True).equals(whole[exact].iloc[-2:].reset_index(drop=True))
+    assert_close(torch.tensor(rest[noisy].iloc[-2:].values), torch.tensor(whole[noisy].iloc[-2:].values), atol=1e-6)
+
+
 def test_longest_turns_by_hand():
     # episode 0: turn 0 has 2 sampled tokens, turn 1 has 3 (a tool result between them is not sampled); episode 1:
     # one turn of 1 token, then padding (turn -1)
@@ -637,13 +661,15 @@ def test_turn_credit_presets_refuse_single_turn_tasks(tiny_dir):
 @pytest.mark.slow
 def test_grpo_teaches_tiny_tools_to_use_its_calculator():
     """The built-in agentic task: tiny-tools calls its tool sometimes, correctly sometimes (held-out greedy accuracy
-    0.22 after its warm start); 25 GRPO steps over whole episodes raise the accuracy and the tools' success rate."""
+    0.22 after its warm start); 25 GRPO steps over whole episodes raise the accuracy, the reward and how often it
+    calls the tool. (Not the share of calls that succeed: it starts near 0.9 and, with more calls, seeds 0 and 1
+    end lower, 0.92 -> 0.86 and 0.90 -> 0.75.)"""
     s = rl.Session(model="tiny-tools", task="calculator", algorithm="grpo", cluster="inline", seed=0,
                    prompts_per_step=8, samples_per_prompt=8, max_new_tokens=64, lr=3e-4, threads=1)
     before = s.evaluate(max_prompts=100)["greedy_accuracy"]
     metrics = s.run(steps=25, progress=False)
     after = s.evaluate(max_prompts=100)["greedy_accuracy"]
     assert after >= before + 0.15, (before, after)
-    assert metrics["tool_success_rate"][-5:].mean() > metrics["tool_success_rate"][:5].mean()
+    assert metrics["tool_calls_mean"][-5:].mean() > metrics["tool_calls_mean"][:5].mean() + 0.1
     assert metrics["reward_mean"][-5:].mean() > metrics["reward_mean"][:5].mean() + 0.1
     s.close()

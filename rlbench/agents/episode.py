@@ -60,8 +60,11 @@ class Episode:
     """
 
     def __init__(self, key: int, example: dict, messages: list[dict] | None, prompt_ids: list[int],
-                 error: str | None = None, greedy: bool = False):
+                 error: str | None = None, greedy: bool = False, seed: int = 0):
         self.key, self.example, self.prompt_ids, self.greedy = key, example, list(prompt_ids), greedy
+        self.seed = seed
+        """Seeds its turns' sampling, with the turn's number: from the rollout's seed and its row in the rollout,
+        so it depends on neither the episodes run before it in this process nor the others of its call."""
         self.messages: list[dict] = list(messages or [])
         """The conversation as messages (assistant contents as sampled)."""
         self.ids: list[int] = []
@@ -171,8 +174,9 @@ class Episode:
                 f"{self.tool_errors} errors, {state}" + ("" if self.score is None else f", score {self.score:.3g}") + ")")
 
 
-def state_id(text: str) -> int:
-    """A 62-bit id of what the policy saw before a turn (GiGPO groups the turns that saw the same)."""
+def hash62(text: str) -> int:
+    """A 62-bit hash of a text: the id of what the policy saw before a turn (GiGPO groups the turns that saw the
+    same), an episode's seeds."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
@@ -204,7 +208,7 @@ def to_batch(episodes: list[Episode], group_ids: list[int], completions: list[st
         **{k: torch.tensor([ep.components.get(k, 0.0) for ep in episodes], dtype=torch.float32) for k in components},
         "turn_rewards": torch.tensor([ep.turn_rewards[:N] + [0.0] * (N - len(ep.turn_rewards[:N])) for ep in episodes],
                                      dtype=torch.float32).view(B, N),
-        "turn_state": torch.tensor([[state_id(s) for s in ep.states[:N]] + [-1] * (N - len(ep.states[:N]))
+        "turn_state": torch.tensor([[hash62(s) for s in ep.states[:N]] + [-1] * (N - len(ep.states[:N]))
                                     for ep in episodes], dtype=torch.long).view(B, N),
         "group_ids": torch.tensor(group_ids, dtype=torch.long),
     }, {

@@ -6,16 +6,16 @@ finished are appended and those episodes join the next sampler call. A slow tool
 An episode ends on EOS, at max_turns, at max_new_tokens, when the context is full, when a game says done;
 its environment is scored and closed the moment it ends, and closed (unscored) if the rollout itself fails.
 
-Each sampler call samples every row with its own seed (from the rollout's seed, the episode and the turn),
-so an episode's tokens do not depend on which other episodes share the call.
+Each sampler call samples every row with its own seed (from the rollout's seed, the episode's row in the rollout
+and the turn), so an episode's tokens depend neither on which other episodes share the call nor on the episodes
+run before (an evaluation, `s.episode()`, a restart from a checkpoint).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
-from rlbench.agents.episode import SAMPLED, Episode, Turn, to_batch
+from rlbench.agents.episode import SAMPLED, Episode, Turn, hash62, to_batch
 from rlbench.agents.render import Renderer, TemplateReport, check_template
 from rlbench.batch import Batch
 
@@ -51,14 +51,15 @@ class EpisodeRunner:
         keys = list(range(self._next_key, self._next_key + len(examples)))
         self._next_key += len(examples)
         episodes = []
-        for key, example, (messages, error) in zip(keys, examples, self.envs.open(keys, examples)):
+        for row, (key, example, (messages, error)) in enumerate(zip(keys, examples, self.envs.open(keys, examples))):
+            seed = hash62(f"{self.seed}/{row}")
             if error is not None:  # the prompt, if the example has one, keeps the row trainable-shaped
                 prompt = example.get("prompt") if isinstance(example, dict) else None
                 ids = self.renderer.prompt_ids(_as_messages(prompt)) if prompt else [self.tokenizer.eos_token_id]
-                episodes.append(Episode(key, example, None, ids, error=error, greedy=greedy))
+                episodes.append(Episode(key, example, None, ids, error=error, greedy=greedy, seed=seed))
                 continue
             ids = self.renderer.prompt_ids(messages)
-            episode = Episode(key, example, messages, ids, greedy=greedy)
+            episode = Episode(key, example, messages, ids, greedy=greedy, seed=seed)
             episode.states.append(self.renderer.render(messages, generation_prompt=True))
             if len(ids) >= self.max_context:
                 episode.end("context_full")
@@ -230,8 +231,7 @@ class EpisodeRunner:
         return to_batch(episodes, group_ids, completions, pad_token_id=self.tokenizer.pad_token_id)
 
     def _seed(self, ep: Episode) -> int:
-        digest = hashlib.blake2b(f"{self.seed}/{ep.key}/{len(ep.turns)}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") >> 2
+        return hash62(f"{ep.seed}/{len(ep.turns)}")
 
 
 class EpisodeHandle:
