@@ -347,8 +347,11 @@ class Session:
         groups and the prompts of those in flight (rl.Async), the
         `SessionState` (data position, counters, metrics so far) and the configuration.
         Atomic: a crash mid-save leaves the earlier checkpoints whole. Keeps the newest `keep_last`
-        (default: the config's; 0 = all).
+        (default: the config's; 0 = all). Refused after a step stopped midway (a double Ctrl-C): what it would write
+        is not a state the run was ever in.
         """
+        if self._aborted is not None:  # its weights and bookkeeping may disagree: never over a good checkpoint
+            raise RuntimeError(f"save: {self._aborted}")
         keep_last = self.config.keep_last if keep_last is None else keep_last
         return resume.save(self, Path(path or self._save_dir()).resolve(), keep_last)
 

@@ -100,7 +100,7 @@ def test_a_second_interrupt_within_a_second_stops_at_once_and_the_session_refuse
         import sys, time
         import rlbench as rl
         s = rl.Session(model="tiny-arith", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, cluster="inline",
-                       log_dir=None, threads=1)
+                       log_dir=None, threads=1, save_dir=sys.argv[1])
         slow_score = s.score
         s.score = lambda batch: (time.sleep(3), slow_score(batch))[1]
         print("ready", flush=True)
@@ -112,11 +112,15 @@ def test_a_second_interrupt_within_a_second_stops_at_once_and_the_session_refuse
             s.step()
         except RuntimeError as error:
             print("refused:", error, flush=True)
+        try:  # the attack: save() wrote the aborted state over the checkpoint the message sends the user back to
+            s.save()
+        except RuntimeError as error:
+            print("save refused:", error, flush=True)
     """)
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=tmp_path)
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "checkpoints")], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
-        assert child.stdout.readline().strip() == "ready"
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
         time.sleep(1.0)
         child.send_signal(signal.SIGINT)
         time.sleep(0.3)
@@ -126,4 +130,6 @@ def test_a_second_interrupt_within_a_second_stops_at_once_and_the_session_refuse
         child.kill()
     assert "aborted: interrupted twice during step 0" in out, err[-2000:]
     assert "refused: interrupted twice" in out and "Session.restore" in out
+    assert "save refused: save: interrupted twice during step 0" in out
+    assert not (tmp_path / "checkpoints").exists()
     assert "finishing step 0 before stopping" in err
