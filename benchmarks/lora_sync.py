@@ -53,9 +53,9 @@ def main():
 
 def trained_adapter(model, lora: rl.LoRA) -> dict[str, torch.Tensor]:
     """The adapter of a peft copy of `model` with lora_B drawn at random (B = 0 would be a fresh one)."""
-    peft_model = rl.lora.wrap(copy.deepcopy(model), lora)
+    peft_model = rl.models.lora.wrap(copy.deepcopy(model), lora)
     generator = torch.Generator().manual_seed(0)
-    adapter = {k: v.clone() for k, v in rl.lora.adapter_state(peft_model).items()}
+    adapter = {k: v.clone() for k, v in rl.models.lora.adapter_state(peft_model).items()}
     for name, tensor in adapter.items():
         if "lora_B" in name:
             tensor.copy_(0.01 * torch.randn(tensor.shape, generator=generator))
@@ -93,7 +93,7 @@ def vllm_adapter_row(model_dir: str, adapter: dict, lora: rl.LoRA, repeats: int)
         sampler.close()
     with tempfile.TemporaryDirectory() as folder:  # a new folder per write, as the sampler's
         versions = iter(range(repeats + 1))
-        write_ms = median_ms(lambda: rl.lora.save_adapter(f"{folder}/v{next(versions)}", adapter, lora, model_dir),
+        write_ms = median_ms(lambda: rl.models.lora.save_adapter(f"{folder}/v{next(versions)}", adapter, lora, model_dir),
                              repeats)
     return dict(sampler="vllm", sync="adapter", bytes=nbytes(adapter), ms=ms, write_ms=write_ms)
 

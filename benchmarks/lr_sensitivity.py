@@ -3,7 +3,7 @@
 Each (algorithm, learning rate, seed) trains the leaderboard's arithmetic setting (16 prompts x 8 samples, two
 mini-batches a step) for `--steps` steps, a Ray task with one CPU each on a private local Ray using every core,
 evaluated (held-out greedy accuracy) every `--evaluate-every` steps. The result is final accuracy against learning
-rate, per algorithm the mean over seeds and its 95% percentile-bootstrap interval (`rlbench.stats`).
+rate, per algorithm the mean over seeds and its 95% percentile-bootstrap interval (`rlbench.experiments.stats`).
 
 Outputs under --out: table.jsonl (every run's evaluations), summary.jsonl (per algorithm and learning rate: final
 accuracy, AUC, accuracy at the token budget, each with its interval) and lr_sensitivity.png. The runs' folders go under

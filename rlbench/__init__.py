@@ -10,14 +10,14 @@ import os
 
 _environment = dict(os.environ)
 
-from rlbench import agents, algorithms, interrupts, models, rewards, samplers, tasks, workers  # noqa: E402
+from rlbench import agents, algorithms, models, rewards, samplers, tasks, workers  # noqa: E402
 from rlbench.agents import Env, Game, tool  # noqa: E402
 from rlbench.batch import Batch  # noqa: E402
-from rlbench.cluster import Ray  # noqa: E402
 from rlbench.config import VLLM, Config, RewardRunner  # noqa: E402
-from rlbench.lora import LoRA  # noqa: E402
-from rlbench.session import Session  # noqa: E402
-from rlbench.sources import Async, Overlap, RolloutMode, RolloutSource, Sync  # noqa: E402
+from rlbench.models.lora import LoRA  # noqa: E402
+from rlbench.session import Session, interrupts  # noqa: E402
+from rlbench.session.sources import Async, Overlap, RolloutMode, RolloutSource, Sync  # noqa: E402
+from rlbench.workers.cluster import Ray  # noqa: E402
 
 # torch._dynamo, imported with transformers' model classes, writes TORCHINDUCTOR_CACHE_DIR into the environment
 # when first imported: put the environment back as it was (torch sets the variable again if it compiles)
@@ -37,6 +37,6 @@ def __getattr__(name: str):
         return importlib.import_module("rlbench.viz")
     if name == "quickstart":  # the top floor loads when first asked for (`python -m rlbench.quickstart` runs it alone)
         return importlib.import_module("rlbench.quickstart")
-    if name in ("sweep", "Sweep"):  # rlbench.sweeps: pandas loads when first asked for
-        return getattr(importlib.import_module("rlbench.sweeps"), name)
+    if name in ("sweep", "Sweep"):  # rlbench.experiments.sweeps: pandas loads when first asked for
+        return getattr(importlib.import_module("rlbench.experiments.sweeps"), name)
     raise AttributeError(f"module 'rlbench' has no attribute {name!r}")

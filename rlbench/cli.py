@@ -7,7 +7,7 @@
     rlbench leaderboard                                                         # algorithms/LEADERBOARD.md + .png
     rlbench bench [step sampler ...] [--all]                                    # benchmarks/*.py, JSON lines
 
-Overrides are dotted `KEY=VALUE` into the recipe (see `rlbench.recipes`); a bad one stops before any work
+Overrides are dotted `KEY=VALUE` into the recipe (see `rlbench.experiments.recipes`); a bad one stops before any work
 with a message naming the key and what it accepts.
 """
 
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlbench import algorithms, models, recipes, stats, sweeps, tasks
+from rlbench import algorithms, models, tasks
 from rlbench.config import Config
-from rlbench.lora import LoRA
+from rlbench.experiments import recipes, stats, sweeps
+from rlbench.models.lora import LoRA
 
 LEADERBOARD_SPEC = "algorithms/leaderboard.toml"
 QUICK_BENCHMARKS = ("sampler", "step")
@@ -73,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--seed", type=int, default=0)
     sub = command("sweep", sweep, "a grid of session settings x seeds (a TOML sweep file), each run a Ray task; "
                   "prints each arm's accuracy with 95%% intervals")
-    sub.add_argument("file", help="a sweep file (see rlbench.sweeps.load)")
+    sub.add_argument("file", help="a sweep file (see rlbench.experiments.sweeps.load)")
     sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. grid.lr=[1e-4,3e-4] steps=50 seeds=[0]")
     sub.add_argument("--dry-run", action="store_true", help="check the file and print its runs; run nothing")
     sub = command("leaderboard", leaderboard, "every preset on the leaderboard's tasks and seeds (a sweep); writes "
@@ -219,7 +220,7 @@ def run_leaderboard(spec: recipes.Leaderboard, runs_dir: str | os.PathLike) -> p
     at a time in this process with 1 worker); its table with the task's label (`board`) and the preset. A preset
     runs on the tasks it can (`cannot_run`; `leaderboard_markdown` names the others); the task's `teacher` goes
     only to the presets that distil."""
-    from rlbench.cluster import Ray
+    from rlbench.workers.cluster import Ray
 
     points, labels = [], []
     for label, settings in spec.tasks.items():
@@ -274,7 +275,7 @@ def leaderboard_markdown(table: pd.DataFrame, spec: recipes.Leaderboard, *, comm
         "the task's token budget (the fewest response tokens any run of the task generated, rollouts, extra "
         "dynamic-sampling rounds and greedy baselines included; each run's curve interpolated there: accuracy per "
         "unit of sampling compute); the difference of final accuracy and AUC from GRPO's; wall time and tokens per "
-        "run. Each is the mean over seeds with its 95% percentile-bootstrap interval `[lo, hi]` (`rlbench.stats`: "
+        "run. Each is the mean over seeds with its 95% percentile-bootstrap interval `[lo, hi]` (`rlbench.experiments.stats`: "
         "every resample of the seeds enumerated up to 10,000, else 10,000 seeded draws; for a difference, each arm's "
         "seeds resampled independently). "
         "**Bold** differences have 0 outside their interval. Few seeds give wide intervals (with 3 or fewer, a mean's "

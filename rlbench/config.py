@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlbench.lora import LoRA
+from rlbench.models.lora import LoRA
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Config:
     """LoRA adapters on the policy (`rl.LoRA(rank=16, alpha=32, target_modules="all-linear")`, or a recipe's `[lora]`
     table of the same keys; None: every weight trains). Only the adapter trains and sits in the optimizer; the
     reference policy is the policy with the adapter off; weight syncs and checkpoints carry the adapter alone;
-    `export()` writes the merged model or, with `adapter=True`, the adapter in peft's format (`rlbench/lora.py`)."""
+    `export()` writes the merged model or, with `adapter=True`, the adapter in peft's format (`rlbench/models/lora.py`)."""
     teacher: str | None = None
     """On-policy distillation: a frozen teacher that scores the policy's own samples (`teacher_logp` per token, and
     its top-k distribution when the algorithm has forward_kl_coef; at `temperature`, as the policy's log-probs are):
@@ -141,7 +141,7 @@ class Config:
     """How sampling and training take turns: `rl.Sync()` (each step samples, then trains, with the same weights),
     `rl.Overlap()` (the next batch is sampled while this step's update runs), `rl.Async(max_staleness=1, workers=1)`
     (rollout workers sample continuously, taking new weights mid-generation), or a mode of your own (an
-    `rl.RolloutMode`: `rlbench/sources.py`). None: the mode that `rollout_mode`, `max_staleness` and
+    `rl.RolloutMode`: `rlbench/session/sources.py`). None: the mode that `rollout_mode`, `max_staleness` and
     `rollout_workers` name, the flat form of the same settings (which a built-in mode sets)."""
     rollout_mode: str = "sync"
     """How sampling and training take turns (the flat form of `rollout`). "sync": each step samples, then trains, with the same weights.
@@ -154,7 +154,7 @@ class Config:
     a generation (partial rollouts: `token_version` says which weights drew each token); `step()` trains on the
     oldest groups, none more than `max_staleness` updates old, waiting when sampling falls behind; rollout
     correction is on by default (`correction`); the buffer and the in-flight prompts are kept in checkpoints
-    (`rlbench/rollouts.py`). In both background modes, stage timings overlap and a step's metrics describe the
+    (`rlbench/session/async_buffer.py`). In both background modes, stage timings overlap and a step's metrics describe the
     batch it trained on."""
     max_staleness: int = 1
     """rollout_mode="async": the most policy updates (one per step, all its mini-batches) between the weights that

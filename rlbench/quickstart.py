@@ -14,7 +14,8 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM
 
 import rlbench as rl
-from rlbench import models, recipes
+from rlbench import models
+from rlbench.experiments import recipes
 from rlbench.models.tiny_arith import GRPO_NAME
 from rlbench.models.warm_start import build_cached, cache_root
 

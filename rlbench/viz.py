@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from rlbench.models import readable_decode
-from rlbench.sinks import read_jsonl
+from rlbench.runs.sinks import read_jsonl
 
 TIMINGS = ("time_rollout", "time_score", "time_advantage", "time_update", "time_sync")
 """The per-stage wall times (seconds) a session's metrics row carries."""

@@ -11,9 +11,9 @@ from floats import assert_close
 
 import rlbench as rl
 from rlbench.batch import left_pad
-from rlbench.cluster import WorkerGroup
+from rlbench.workers.cluster import WorkerGroup
 from rlbench.policy import batch_logp
-from rlbench.rollouts import AsyncRollouts
+from rlbench.session.async_buffer import AsyncRollouts
 from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams
 from rlbench.workers import SamplerHandle
 

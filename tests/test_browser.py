@@ -234,7 +234,9 @@ def _run_all_stop_save_and_reopen(url: str, token: str, root: Path, browser, tmp
     until(lambda: all(re.fullmatch(r"\[\d+\]:", p) for p in _prompts(browser)), 300, "Run All to finish")
 
     steps = _rows(root)
-    assert clicked_at <= steps <= clicked_at + 2, f"Stop at {clicked_at} steps, the run went on to {steps}"
+    # the count shown lags the kernel's by a redraw, the click reaches the kernel between two steps, and the step in
+    # progress finishes first: a few steps at most, under load too (the whole run is far longer)
+    assert clicked_at <= steps <= clicked_at + 4, f"Stop at {clicked_at} steps, the run went on to {steps}"
     _scroll_to_cell(browser, "dash.start(STEPS)")
     _screenshot(browser, tmp_path, "after-run-all")
     assert WIDGET_ERROR not in _text(browser)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rlbench as rl
-from rlbench import checkpoints
+from rlbench.runs import checkpoints
 from rlbench.samplers import HFSampler
 
 SMALL = dict(model="tiny-arith", task="arithmetic", cluster="inline", prompts_per_step=4, samples_per_prompt=4,
@@ -40,7 +40,7 @@ def test_resume_is_the_uninterrupted_run_bit_for_bit(algorithm, overlap, tmp_pat
         assert (second.step_count, second.run_name, second.config.algorithm) == (2, "halves", algorithm)
         metrics = second.run(3, progress=False)
         weights = second.policy.state_dict()
-        logged = rl.sinks.read_jsonl("runs/halves/metrics.jsonl")
+        logged = rl.runs.sinks.read_jsonl("runs/halves/metrics.jsonl")
 
     assert _numbers(metrics).equals(_numbers(expected))
     assert logged["step"].tolist() == [0, 1, 2, 3, 4]  # the log file goes on from the checkpoint

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlbench import checkpoints
+from rlbench.runs import checkpoints
 from rlbench.policy import checkpoint
 
 

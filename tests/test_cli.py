@@ -1,6 +1,5 @@
 """The `rlbench` command, run as a real subprocess: errors, dry runs, a short run, reproduce, eval, leaderboard, bench."""
 
-import argparse
 import inspect
 import json
 import os
@@ -13,7 +12,7 @@ import torch
 
 import rlbench as rl
 from rlbench import cli
-from rlbench.metrics import pass_and_majority
+from rlbench.session.metrics import pass_and_majority
 
 from floats import approx
 

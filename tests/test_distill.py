@@ -7,7 +7,7 @@ from floats import approx, assert_close
 
 import rlbench as rl
 from rlbench import quickstart
-from rlbench.metrics import batch_metrics
+from rlbench.session.metrics import batch_metrics
 from rlbench.policy import Reference
 from rlbench.policy.forward import response_logits
 

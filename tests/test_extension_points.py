@@ -15,9 +15,9 @@ SETTINGS = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster
 
 
 def docstring_example() -> dict:
-    """The rollout mode written out in `rlbench/sources.py`'s docstring (a fourth mode: every step trains on the first
+    """The rollout mode written out in `rlbench/session/sources.py`'s docstring (a fourth mode: every step trains on the first
     batch the run collected), run as written: the example a user copies is the one tested."""
-    text = rl.sources.__doc__
+    text = rl.session.sources.__doc__
     code = textwrap.dedent(text[text.index("    @dataclasses.dataclass"):text.index("    rl.Session(..., rollout=Replay())")])
     namespace = {"rl": rl, "dataclasses": dataclasses}
     exec(code, namespace)

@@ -8,7 +8,7 @@ from floats import assert_close
 from transformers import AutoModelForCausalLM
 
 import rlbench as rl
-from rlbench import lora as lora_adapters
+from rlbench.models import lora as lora_adapters
 from rlbench.policy import Policy
 from rlbench.policy.training import OptimSettings
 from rlbench.samplers import HFSampler, SamplingParams

@@ -15,7 +15,7 @@ import torch
 from floats import assert_close, assert_same
 
 import rlbench as rl
-from rlbench.cluster import Ray, acquire_ray, release_ray
+from rlbench.workers.cluster import Ray, acquire_ray, release_ray
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_two_ranks_match_inline_and_close_leaves_nothing(tiny_dir):
 
 
 def test_workers_get_their_environment_from_a_runtime_env_only_when_they_do_not_inherit_it(monkeypatch):
-    from rlbench import cluster
+    from rlbench.workers import cluster
 
     monkeypatch.setitem(cluster._OWNED, "environ", os.environ | {"OMP_WAIT_POLICY": "PASSIVE"})
     assert cluster.worker_runtime_env() is None  # a private instance started with it
@@ -189,7 +189,7 @@ def test_a_killed_rank_is_restored_from_the_last_checkpoint_and_without_retries_
 
     # with no retries left (a step outside run(retries=...)), the dead worker is named and the work done stays
     ray.kill(s.policy.workers.hosts[1], no_restart=True)
-    with pytest.raises(rl.cluster.WorkerDied, match=r"worker 'policy' rank 1 died during .* \(at step 4, stage"):
+    with pytest.raises(rl.workers.cluster.WorkerDied, match=r"worker 'policy' rank 1 died during .* \(at step 4, stage"):
         s.step()
     assert len(s.metrics) == 4
     s.close()

@@ -10,8 +10,8 @@ import sys
 
 CHILD = """
 import json, warnings
-from rlbench import cluster
-from rlbench.cluster import Ray, acquire_ray, release_ray
+from rlbench.workers import cluster
+from rlbench.workers.cluster import Ray, acquire_ray, release_ray
 cluster._private_settings()  # as acquire_ray does before Ray is first imported
 import ray
 

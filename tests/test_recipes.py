@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import rlbench as rl
-from rlbench import recipes
+from rlbench.experiments import recipes
 
 ALGORITHMS = Path(__file__).resolve().parents[1] / "algorithms"
 RECIPES = sorted(p for p in ALGORITHMS.glob("*/*.toml"))

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from rlbench import runs
-from rlbench.runs import LOCK_FILE, RunFolderBusy, RunLock, new_run_name
+from rlbench.runs import folders as runs
+from rlbench.runs.folders import LOCK_FILE, RunFolderBusy, RunLock, new_run_name
 
-# A subprocess loads rlbench/runs.py alone (it imports nothing of rlbench): starts in ms, not torch's seconds.
+# A subprocess loads rlbench/runs/folders.py alone (it imports nothing of rlbench): starts in ms, not torch's seconds.
 _LOAD_RUNS = ("import importlib.util, json, os, sys, time; "
               f"spec = importlib.util.spec_from_file_location('runs', {runs.__file__!r}); "
               "runs = importlib.util.module_from_spec(spec); spec.loader.exec_module(runs); ")

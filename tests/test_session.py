@@ -9,7 +9,7 @@ from floats import assert_close
 
 import rlbench as rl
 from rlbench.rewards import RewardError
-from rlbench.sinks import read_jsonl
+from rlbench.runs.sinks import read_jsonl
 
 SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline",
              prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8)

@@ -6,7 +6,7 @@ import pytest
 from floats import approx
 
 import rlbench as rl
-from rlbench.sinks import JsonlSink, TensorBoardSink, WandbSink, make_sinks, read_jsonl
+from rlbench.runs.sinks import JsonlSink, TensorBoardSink, WandbSink, make_sinks, read_jsonl
 
 ROWS = [{"step": 0, "reward_mean": 0.25, "loss": 1.5, "skipped": 0.0},
         {"step": 1, "reward_mean": 0.5, "loss": float("nan"), "skipped": 1.0}]

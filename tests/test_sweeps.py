@@ -14,8 +14,9 @@ import pytest
 from floats import approx
 
 import rlbench as rl
-from rlbench import cli, recipes, stats, sweeps
-from rlbench.cluster import acquire_ray, release_ray
+from rlbench import cli
+from rlbench.experiments import recipes, stats, sweeps
+from rlbench.workers.cluster import acquire_ray, release_ray
 
 SETTINGS = {"model": "tiny-arith", "task": "arithmetic", "prompts_per_step": 4, "samples_per_prompt": 4,
             "max_new_tokens": 8, "threads": 1}

@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 import rlbench as rl
 from rlbench import viz
-from rlbench.sinks import read_jsonl
+from rlbench.runs.sinks import read_jsonl
 
 SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline",
              prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, threads=1)
@@ -170,7 +170,7 @@ def test_a_finished_run_leaves_a_static_record_where_the_dashboard_was(tiny_dir,
 
 
 def test_notebook_progress_bar_is_a_plain_output_updated_in_place(notebook_outputs, capsys):
-    from rlbench.progress import NotebookBar
+    from rlbench.runs.progress import NotebookBar
 
     with NotebookBar(total=3, desc="my-run", mininterval=0) as bar:
         for _ in range(3):

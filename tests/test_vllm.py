@@ -230,7 +230,7 @@ def lora_sampler(tiny_dir):
 
 def adapted(model, seed: int, scale: float = 0.2):
     """`model` (a copy) with LORA's adapters, lora_B drawn at random (seeded): a policy some steps into training."""
-    peft_model = rl.lora.wrap(copy.deepcopy(model), LORA)
+    peft_model = rl.models.lora.wrap(copy.deepcopy(model), LORA)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -242,7 +242,7 @@ def adapted(model, seed: int, scale: float = 0.2):
 def merged_hf_sampler(model, tokenizer, peft_model) -> HFSampler:
     """The HF sampler on a plain copy of `model` holding `peft_model`'s merged weights."""
     plain = copy.deepcopy(model)
-    plain.load_state_dict(rl.lora.merged_state(peft_model.state_dict(), LORA))
+    plain.load_state_dict(rl.models.lora.merged_state(peft_model.state_dict(), LORA))
     return HFSampler(plain, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
@@ -281,7 +281,7 @@ def test_an_adapter_samples_as_the_merged_policy(lora_sampler, tiny, arithmetic_
     expected = merged_hf_sampler(model, tokenizer, peft_model).generate(arithmetic_rows, greedy)
     changed = [a != b for a, b in zip(completions(expected), completions(base_out))]
     assert sum(changed) > len(changed) / 2, changed
-    lora_sampler.load_weights(rl.lora.adapter_state(peft_model))
+    lora_sampler.load_weights(rl.models.lora.adapter_state(peft_model))
     assert_same_rollouts(lora_sampler.generate(arithmetic_rows, greedy), expected)
 
 
@@ -289,7 +289,7 @@ def test_an_adapters_logp_equals_the_peft_policys(lora_sampler, tiny, rows):
     """Sampled at temperature 0.7: each token's log-prob is the peft model's own forward (the trainer's)."""
     model, tokenizer = tiny
     peft_model = adapted(model, seed=0)
-    lora_sampler.load_weights(rl.lora.adapter_state(peft_model))
+    lora_sampler.load_weights(rl.models.lora.adapter_state(peft_model))
     params = SamplingParams(n=4, max_new_tokens=12, temperature=0.7, seed=1)
     out = lora_sampler.generate(rows, params)
     ids_B_P, mask_B_P = left_pad([r for r in rows for _ in range(params.n)], tokenizer.pad_token_id)
@@ -304,10 +304,10 @@ def test_a_new_adapter_replaces_the_old(lora_sampler, tiny, arithmetic_rows):
     model, tokenizer = tiny
     greedy = SamplingParams(max_new_tokens=10, temperature=0)
     first, second = adapted(model, seed=1), adapted(model, seed=2)
-    lora_sampler.load_weights(rl.lora.adapter_state(first))
+    lora_sampler.load_weights(rl.models.lora.adapter_state(first))
     expected_first = merged_hf_sampler(model, tokenizer, first).generate(arithmetic_rows, greedy)
     assert_same_rollouts(lora_sampler.generate(arithmetic_rows, greedy), expected_first)
-    adapter = {name: tensor.numpy() for name, tensor in rl.lora.adapter_state(second).items()}
+    adapter = {name: tensor.numpy() for name, tensor in rl.models.lora.adapter_state(second).items()}
     lora_sampler.load_weights(adapter)
     expected = merged_hf_sampler(model, tokenizer, second).generate(arithmetic_rows, greedy)
     changed = [a != b for a, b in zip(completions(expected), completions(expected_first))]
@@ -331,7 +331,7 @@ def test_an_adapter_that_does_not_fit_is_refused(tiny_dir, tiny, rows):
     try:
         with pytest.raises(AttributeError, match="only under LoRA"):
             sampler.state_dict()
-        adapter = rl.lora.adapter_state(adapted(model, seed=3))
+        adapter = rl.models.lora.adapter_state(adapted(model, seed=3))
         sampler.load_weights(adapter)
         greedy = SamplingParams(max_new_tokens=6, temperature=0)
         before = sampler.generate(rows, greedy)

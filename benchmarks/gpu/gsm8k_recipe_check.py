@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import rlbench as rl
-from rlbench import recipes
+from rlbench.experiments import recipes
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@
 The pieces: `env` (the contract: `Env`, `Game`, which methods are tools), `tools` (`@rl.tool`: a callable with
 its JSON schema), `parsers` (tool-call parsing: Hermes / Qwen built in), `render` (append-only rendering and the
 template check), `envs` (the environment worker), `episode` (an episode's record, its Batch row, and the handle
-that steps one by hand), `rollout` (stepping episodes, batched or by hand), `code` (`python_tool`: Python code
+that steps one by hand), `runner` (the episode runner: episodes turn by turn, batched or by hand), `code` (`python_tool`: Python code
 run in the sandbox of `rlbench.rewards`).
 """
 
@@ -25,7 +25,7 @@ from rlbench.agents.envs import EnvPool
 from rlbench.agents.episode import ENDS, Episode, Turn, to_batch
 from rlbench.agents.parsers import HermesParser, Parser, ToolCall, get_parser
 from rlbench.agents.render import KINDS, Renderer, TemplateReport, check_template
-from rlbench.agents.rollout import EpisodeHandle, EpisodeRunner
+from rlbench.agents.runner import EpisodeHandle, EpisodeRunner
 from rlbench.agents.tools import Tool, tool
 
 __all__ = ["ENDS", "Env", "EnvPool", "Episode", "EpisodeHandle", "EpisodeRunner", "Game", "HermesParser", "KINDS",

@@ -1,4 +1,5 @@
-"""Models: the built-in offline tiny models, and loading of local Hugging Face model directories.
+"""Models: the built-in offline tiny models, loading of local Hugging Face model directories, and LoRA adapters
+(`lora.py`: their shape, deltas, merge and peft folder).
 
 Nothing here touches the network: a built-in name is built on this machine (once, then cached) and
 everything is loaded with `local_files_only=True`.

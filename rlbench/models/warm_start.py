@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlbench.batch import left_pad
-from rlbench.progress import bar as progress_bar
+from rlbench.runs.progress import bar as progress_bar
 
 
 def cache_root() -> Path:

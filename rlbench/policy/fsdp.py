@@ -16,13 +16,22 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from rlbench import algorithms as alg
-from rlbench import lora as lora_adapters
 from rlbench import models
 from rlbench.batch import Batch
+from rlbench.models import lora as lora_adapters
 from rlbench.policy import checkpoint
 from rlbench.policy.forward import batch_logp, rank_micro_batches, response_logits
-from rlbench.policy.training import (OptimSettings, Optimizer, autocast, backward, checkpoint_blocks, full_state_dict,
-                                     init_process_group, shard, use_precision)
+from rlbench.policy.training import (
+    Optimizer,
+    OptimSettings,
+    autocast,
+    backward,
+    checkpoint_blocks,
+    full_state_dict,
+    init_process_group,
+    shard,
+    use_precision,
+)
 
 SUMMED_TERMS = frozenset({"loss", "pg_loss", "kl_loss", "entropy", "forward_kl"})
 """Terms `Algorithm.actor_loss` reduces with the mini-batch's counts: they add up over micro-batches.
@@ -150,7 +159,7 @@ class Policy:
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """What the sampler needs, unsharded on CPU on rank 0 (every rank takes part; the others get None):
-        the full weights, or under LoRA the adapter alone (by peft's names; see `rlbench.lora`)."""
+        the full weights, or under LoRA the adapter alone (by peft's names; see `rlbench.models.lora`)."""
         return full_state_dict(self.model, self.rank, self.world_size, frozen=self.lora is None)
 
     def save_checkpoint(self, path: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlbench.lora import delta
+from rlbench.models.lora import delta
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 

@@ -19,7 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from rlbench import models
 from rlbench.algorithms import token_logp
 from rlbench.batch import Batch, left_pad
-from rlbench.lora import LoRA, module_pairs
+from rlbench.models.lora import LoRA, module_pairs
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
 from rlbench.samplers.base import SamplingParams, as_tensors

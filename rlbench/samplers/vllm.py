@@ -17,8 +17,8 @@ top-p (greedy: at temperature 1), exactly what `HFSampler` reports and the polic
 `vllm_worker.TemperatureScaledLogprobs` for how vLLM is made to report it.
 
 LoRA (`lora=rl.LoRA(...)`): the engine keeps the base weights and applies an adapter per request, through vLLM's own
-LoRA support. `load_weights` takes the adapter alone (peft's live names, `rlbench.lora.adapter_state`), writes it as
-a peft folder (`rlbench.lora.save_adapter`) in a temporary directory the sampler owns, and has vLLM load it under a
+LoRA support. `load_weights` takes the adapter alone (peft's live names, `rlbench.models.lora.adapter_state`), writes it as
+a peft folder (`rlbench.models.lora.save_adapter`) in a temporary directory the sampler owns, and has vLLM load it under a
 fresh id; every later `generate` names it (`LoRARequest`), the previous one is removed from the engine and the disk.
 vLLM 0.32 loads adapters from a folder only (`LoRARequest` carries a path; building its `LoRAModel` from tensors would
 mean calling its worker's private loader), so the adapter makes a round trip through the disk: a few ms for
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from rlbench.batch import Batch
-from rlbench.lora import LoRA, adapter_state, save_adapter, wrap
+from rlbench.models.lora import LoRA, adapter_state, save_adapter, wrap
 from rlbench.samplers.base import SamplingParams, as_tensors
 
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -186,7 +186,7 @@ class VLLMSampler:
     def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
         """Replace the engine's weights with a full state dict (tensors, or numpy arrays such as read-only
         views from Ray's object store), in place: the engine keeps running, its prefix cache is emptied.
-        Under LoRA: the adapter's tensors alone, by peft's live names (`rlbench.lora.adapter_state`)."""
+        Under LoRA: the adapter's tensors alone, by peft's live names (`rlbench.models.lora.adapter_state`)."""
         self._check_open()
         tensors = as_tensors(state_dict)
         if self.lora is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rlbench.agents.episode import SAMPLED, Episode, Turn, hash62, to_batch
-from rlbench.agents.render import Renderer, TemplateReport, check_template
+from rlbench.agents.render import Renderer, TemplateReport, chat_messages, check_template
 from rlbench.batch import Batch
 
 Sample = Callable[[list[list[int]], list[int], int, bool], Batch]
@@ -53,9 +53,8 @@ class EpisodeRunner:
         episodes = []
         for row, (key, example, (messages, error)) in enumerate(zip(keys, examples, self.envs.open(keys, examples))):
             seed = hash62(f"{self.seed}/{row}")
-            if error is not None:  # the prompt, if the example has one, keeps the row trainable-shaped
-                prompt = example.get("prompt") if isinstance(example, dict) else None
-                ids = self.renderer.prompt_ids(_as_messages(prompt)) if prompt else [self.tokenizer.eos_token_id]
+            if error is not None:  # the prompt, if the example has a usable one, keeps the row trainable-shaped
+                ids = self._prompt_ids(example)
                 episodes.append(Episode(key, example, None, ids, error=error, greedy=greedy, seed=seed))
                 continue
             ids = self.renderer.prompt_ids(messages)
@@ -65,6 +64,13 @@ class EpisodeRunner:
                 episode.end("context_full")
             episodes.append(episode)
         return episodes
+
+    def _prompt_ids(self, example) -> list[int]:
+        """The tokens of the example's prompt, or EOS alone when it has none that renders."""
+        try:
+            return self.renderer.prompt_ids(chat_messages(example["prompt"]))
+        except (KeyError, TypeError, ValueError):
+            return [self.tokenizer.eos_token_id]
 
     def sample(self, episodes: list[Episode]) -> None:
         """Sample the next assistant turn of each episode (one sampler call)."""
@@ -298,8 +304,4 @@ def _sampled_run(ep: Episode) -> int:
             break
         n += 1
     return n
-
-
-def _as_messages(prompt) -> list[dict]:
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 

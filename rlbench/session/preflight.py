@@ -5,9 +5,22 @@ from __future__ import annotations
 
 from rlbench import algorithms, models, tasks
 from rlbench.algorithms import Algorithm
-from rlbench.config import Config
-from rlbench.sources import mode_of
-from rlbench.workers import check_sampler
+from rlbench.config import Config, grouped_keywords
+from rlbench.session.sources import mode_of
+from rlbench.workers.build import check_sampler
+
+
+def flat_keywords(cfg: Config, keywords: dict) -> list[str]:
+    """What to say of the knobs given by their former flat names (the rollout mode's, a group's): the new form of
+    each, with this session's values."""
+    said = []
+    if flat := [k for k in ("rollout_mode", "max_staleness", "rollout_workers", "overlap_rollout") if k in keywords]:
+        said.append(f"{', '.join(flat)}: the rollout mode is one setting now, rollout={mode_of(cfg)!r} here "
+                    f"(rl.Sync(), rl.Overlap(), rl.Async(max_staleness=..., workers=...)); the flat keywords still "
+                    f"work, for a while")
+    if moved := grouped_keywords(keywords):
+        said.append(moved)
+    return said
 
 
 def prepare(cfg: Config, algorithm: Algorithm):

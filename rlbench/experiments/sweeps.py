@@ -5,7 +5,7 @@
     sw.table                            # one row per run and evaluation point (greedy accuracy, tokens, reward, time)
     sw.runs                             # one row per run: its settings, seed, status and error
     sw.summary()                        # per arm: final accuracy, AUC, accuracy at a token budget, 95% intervals
-    sw.compare({"algorithm": "grpo"})   # each arm minus its grpo arm, with intervals (`rlbench.stats`)
+    sw.compare({"algorithm": "grpo"})   # each arm minus its grpo arm, with intervals (`rlbench.experiments.stats`)
     sw.plot()                           # learning curves: per arm the mean over seeds and its interval as a band
 
 A run is `steps` training steps of one Session (inline, in its Ray task, with `cpus_per_run` CPUs and one torch
@@ -17,7 +17,7 @@ same on every machine), so calling the same sweep again with the same `out_dir` 
 resumes interrupted ones from their last checkpoint, and tries again those that raised. A run that raises is
 recorded (status "error", the exception in `sw.runs` and its log) and the others go on.
 
-Settings are plain values, as in a recipe (`rlbench.recipes`): a task or an algorithm may be a table (`{"preset":
+Settings are plain values, as in a recipe (`rlbench.experiments.recipes`): a task or an algorithm may be a table (`{"preset":
 "grpo", "kl_coef": 0.0}`), built into objects here, in the driver, and shipped to the runs.
 """
 
@@ -37,12 +37,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlbench import checkpoints, recipes, stats
-from rlbench.cluster import Ray, acquire_ray, check_resources, release_ray, worker_runtime_env
 from rlbench.config import Config
-from rlbench.progress import bar as progress_bar
-from rlbench.progress import in_notebook
-from rlbench.sinks import read_jsonl
+from rlbench.experiments import recipes, stats
+from rlbench.runs import checkpoints
+from rlbench.runs.progress import bar as progress_bar
+from rlbench.runs.progress import in_notebook
+from rlbench.runs.sinks import read_jsonl
+from rlbench.workers.cluster import Ray, acquire_ray, check_resources, release_ray, worker_runtime_env
 
 SET_BY_THE_SWEEP = ("seed", "cluster", "log_dir", "run_name", "save_dir", "save_every")
 """Session settings a sweep chooses for every run (seeds, its cluster, the run's folder)."""
@@ -256,7 +257,7 @@ class Sweep:
     def per_run(self, metric: str = "greedy_accuracy", *, budget: float | None = None) -> pd.DataFrame:
         """One row per finished run: `final` `metric`, `auc` (the learning curve's area over steps, divided by
         the step span) and `at_budget` (the metric at `budget` generated tokens, default the fewest any finished
-        run generated: compute-normalised), with the run's settings (`rlbench.stats.run_summaries`)."""
+        run generated: compute-normalised), with the run's settings (`rlbench.experiments.stats.run_summaries`)."""
         done = self.table[self.table["status"] == "done"]
         if done.empty:
             raise ValueError("no run of this sweep has finished yet")
@@ -265,14 +266,14 @@ class Sweep:
     def summary(self, metric: str = "greedy_accuracy", *, by: Sequence[str] | None = None,
                 budget: float | None = None, **bootstrap) -> pd.DataFrame:
         """Per arm (the values of `by`, default `columns`): mean over seeds of the final `metric`, its AUC and its
-        value at the token budget, each with its 95% percentile-bootstrap interval (`rlbench.stats.summarize`)."""
+        value at the token budget, each with its 95% percentile-bootstrap interval (`rlbench.experiments.stats.summarize`)."""
         return stats.summarize(self.per_run(metric, budget=budget), by or self.columns, **bootstrap)
 
     def compare(self, baseline: dict | None = None, metric: str = "greedy_accuracy", *,
                 by: Sequence[str] | None = None, budget: float | None = None, **bootstrap) -> pd.DataFrame:
         """Each arm against its baseline arm (default {"algorithm": "grpo"}): differences of the means of the
         final value, AUC and value at the token budget, their intervals and whether 0 lies outside them
-        (`rlbench.stats.compare`)."""
+        (`rlbench.experiments.stats.compare`)."""
         return stats.compare(self.per_run(metric, budget=budget), by or self.columns, baseline or {"algorithm": "grpo"},
                              **bootstrap)
 
@@ -465,7 +466,7 @@ def curve_panels(arms: list, reference=None, per_panel: int = 6) -> list[list]:
 def draw_curves(ax, table: pd.DataFrame, by: str, arms: list, *, metric: str = "greedy_accuracy", x: str = "step",
                 reference=None, colors: dict | None = None) -> None:
     """Into `ax`: for each arm (a value of column `by`) the mean of `metric` over its runs at each `x` and the 95%
-    bootstrap interval as a band (`rlbench.stats.curve_bands`); `reference` in black. `x`: "step", or "tokens"
+    bootstrap interval as a band (`rlbench.experiments.stats.curve_bands`); `reference` in black. `x`: "step", or "tokens"
     (each run's evaluations are at its own token counts, so the curve is over the runs' mean tokens per step)."""
     from matplotlib.ticker import MaxNLocator
 

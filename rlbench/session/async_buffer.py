@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from rlbench.batch import Batch
-from rlbench.cluster import WorkerDied
+from rlbench.workers.cluster import WorkerDied
 
 
 @dataclass(frozen=True)

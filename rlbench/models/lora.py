@@ -15,7 +15,6 @@ Names: the policy's adapter tensors carry peft's live parameter names,
 from __future__ import annotations
 
 import math
-
 import os
 import re
 from dataclasses import asdict, dataclass, fields

@@ -16,18 +16,20 @@ from pathlib import Path
 
 import torch
 
-from rlbench import algorithms, checkpoints, interrupts, preflight, resume, sources, tasks
+from rlbench import algorithms, tasks
 from rlbench.batch import Batch
-from rlbench.cluster import WorkerDied
-from rlbench.config import Config, grouped_keywords, make_config
-from rlbench.metrics import accuracy, at_k, batch_metrics
+from rlbench.config import Config, make_config
 from rlbench.policy.fsdp import loss_mask
-from rlbench.progress import bar as progress_bar
-from rlbench.runs import RunLock, new_run_name
+from rlbench.runs import checkpoints
+from rlbench.runs.folders import RunLock, new_run_name
+from rlbench.runs.progress import bar as progress_bar
+from rlbench.runs.sinks import make_sinks
 from rlbench.samplers import SamplingParams
-from rlbench.sinks import make_sinks
-from rlbench.state import SessionState, mix
-from rlbench.workers import start_workers
+from rlbench.session import interrupts, preflight, resume, sources
+from rlbench.session.metrics import accuracy, at_k, batch_metrics
+from rlbench.session.state import SessionState, mix
+from rlbench.workers.build import start_workers
+from rlbench.workers.cluster import WorkerDied
 
 
 class Session:
@@ -37,11 +39,7 @@ class Session:
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be an rl.Config or None, got {type(config).__name__}")
         self.config = cfg = make_config(**(config.to_dict() if config else {}) | overrides)
-        if flat := [k for k in ("rollout_mode", "max_staleness", "rollout_workers", "overlap_rollout") if k in overrides]:
-            warnings.warn(f"{', '.join(flat)}: the rollout mode is one setting now, rollout={sources.mode_of(cfg)!r} here "
-                          f"(rl.Sync(), rl.Overlap(), rl.Async(max_staleness=..., workers=...)); the flat keywords "
-                          f"still work, for a while", DeprecationWarning, stacklevel=2)
-        if moved := grouped_keywords(overrides):
+        for moved in preflight.flat_keywords(cfg, overrides):
             warnings.warn(moved, DeprecationWarning, stacklevel=2)
         self.algorithm = preflight.with_correction(algorithms.get(cfg.algorithm), cfg)
         self.task, self.model_dir, self.tokenizer = preflight.prepare(cfg, self.algorithm)
@@ -54,7 +52,8 @@ class Session:
         # the run folder is this session's alone while it is open (another live session's is refused, naming it)
         self._run_lock = RunLock(Path(cfg.log_dir) / self.state.run_name).acquire() if cfg.log_dir else None
         try:
-            self.workers = start_workers(cfg, self.algorithm, self.task, self.model_dir, self.tokenizer, self.teacher_dir)
+            self.workers = start_workers(cfg, self.algorithm, self.task, self.model_dir, self.tokenizer, self.teacher_dir,
+                                         rollout_workers=sources.mode_of(cfg).rollout_workers())
         except BaseException:
             if self._run_lock is not None:
                 self._run_lock.release()
@@ -69,7 +68,7 @@ class Session:
         """Functions `f(session, row)` called after every step (the dashboard is one)."""
         self.last_batch: Batch | None = None
         self.source = sources.mode_of(cfg).start(self)
-        """Where the batches come from: the rollout mode's live part (`rlbench/sources.py`)."""
+        """Where the batches come from: the rollout mode's live part (`rlbench/session/sources.py`)."""
         self._stop_requested = self._running = False
         self._aborted: str | None = None  # why the session cannot go on (a step stopped midway)
         self._timings: dict[str, float] = {}

@@ -33,10 +33,10 @@ import torch
 
 from rlbench import algorithms, tasks
 from rlbench.batch import Batch
-from rlbench.prefetch import Prefetch
-from rlbench.rollouts import AsyncRollouts
 from rlbench.samplers import SamplingParams
-from rlbench.state import mix
+from rlbench.session.async_buffer import AsyncRollouts
+from rlbench.session.prefetch import Prefetch
+from rlbench.session.state import mix
 
 
 class RolloutSource:
@@ -106,7 +106,7 @@ class RolloutSource:
 
 
 class OverlapSource(RolloutSource):
-    """The next step's batch is sampled and scored while this step's update runs (`rlbench/prefetch.py`)."""
+    """The next step's batch is sampled and scored while this step's update runs (`rlbench/session/prefetch.py`)."""
 
     lags = True
 
@@ -137,7 +137,7 @@ class OverlapSource(RolloutSource):
 
 
 class AsyncSource(RolloutSource):
-    """Rollout workers sample into a buffer of finished groups while the trainer trains (`rlbench/rollouts.py`);
+    """Rollout workers sample into a buffer of finished groups while the trainer trains (`rlbench/session/async_buffer.py`);
     a step takes the oldest `prompts_per_step` groups, none more than `max_staleness` updates old."""
 
     lags = True
@@ -196,7 +196,7 @@ class AsyncSource(RolloutSource):
 
     def _staleness(self, batch: Batch) -> Batch:
         """Add `staleness` [B] (of each row's group: the policy updates since its oldest token was drawn) and its
-        summary to `meta`; RuntimeError if it exceeds `max_staleness` (the bound of `rlbench.rollouts`)."""
+        summary to `meta`; RuntimeError if it exceeds `max_staleness` (the bound of `rlbench.session.async_buffer`)."""
         K, now = self.max_staleness, self.session.state.policy_version
         groups = batch["group_ids"]
         oldest_B = batch["token_version"].masked_fill(batch["response_mask"] == 0, now).amin(-1)
@@ -204,7 +204,7 @@ class AsyncSource(RolloutSource):
         staleness_G, staleness_B = now - oldest_G, now - oldest_G[groups]
         if int(staleness_G.max()) > K:
             raise RuntimeError(f"rollout: group {int(staleness_G.argmax())} was drawn {int(staleness_G.max())} updates "
-                               f"ago, more than max_staleness={K} (a bug in rlbench.rollouts: please report it)")
+                               f"ago, more than max_staleness={K} (a bug in rlbench.session.async_buffer: please report it)")
         hist = torch.bincount(staleness_G, minlength=K + 1).float() / len(staleness_G)
         return batch.with_columns(staleness=staleness_B).with_meta(
             staleness_mean=algorithms.to_float(staleness_G.float().mean()), staleness_max=int(staleness_G.max()),
@@ -274,7 +274,7 @@ class Async(RolloutMode):
     update in the middle of a generation (partial rollouts: `token_version` says which weights drew each token);
     `step()` trains on the oldest groups, none more than `max_staleness` updates old, waiting when sampling falls
     behind. Rollout correction is on by default (`correction`); the buffer and the in-flight prompts are kept in
-    checkpoints (`rlbench/rollouts.py`)."""
+    checkpoints (`rlbench/session/async_buffer.py`)."""
 
     max_staleness: int = 1
     """The most policy updates (one per step, all its mini-batches) between the weights that drew a group's oldest

@@ -1,6 +1,6 @@
 """A session's checkpoint folder: what `Session.save` writes and `Session.restore` (or a worker restart, `recover`) reads.
 
-A folder (`step-NNNNNN/`, written atomically by `rlbench.checkpoints`) holds one subfolder per trained model
+A folder (`step-NNNNNN/`, written atomically by `rlbench.runs.checkpoints`) holds one subfolder per trained model
 (`policy/`, `reference/`, `critic/`: each worker writes its shards), the rollout mode's part (`RolloutSource.save`:
 the sampler's weights when they lag the policy's, `sampler.pt`; the batch sampled for the next step under `rl.Overlap`,
 `next_batch.pt`; the finished groups and in-flight prompts of `rl.Async`, `rollouts.pt`), the configuration
@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlbench import checkpoints, sources
-from rlbench.state import SessionState
-from rlbench.workers import start_workers
+from rlbench.runs import checkpoints
+from rlbench.session import sources
+from rlbench.session.state import SessionState
+from rlbench.workers.build import start_workers
 
 
 def save(session, root: Path, keep_last: int) -> Path:
@@ -62,8 +63,9 @@ def recover(session, root: Path) -> Path:
     session.source.stop()
     session.workers.close()
     session.source.close()
+    mode = sources.mode_of(session.config)
     session.workers = start_workers(session.config, session.algorithm, session.task, session.model_dir,
-                                    session.tokenizer, session.teacher_dir)
-    session.source = sources.mode_of(session.config).start(session)
+                                    session.tokenizer, session.teacher_dir, rollout_workers=mode.rollout_workers())
+    session.source = mode.start(session)
     load(session, folder, state)
     return folder

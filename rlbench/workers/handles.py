@@ -1,0 +1,304 @@
+"""The typed handles a session calls its workers through: one per part, the same object inline and on Ray.
+
+Each method says which worker method it runs (`Policy.forward_backward`, ...) and on which ranks: every rank (rows
+split by token count) or the one worker. Tinker-style custom loops use them directly:
+
+    fb = s.policy.forward_backward(batch)       # gradients accumulate over calls
+    step = s.policy.optim_step()                # clip, step, schedule; {"grad_norm", "lr", "skipped", ...}
+    s.sync_weights()                            # the sampler takes the new weights
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from rlbench import tasks
+from rlbench.agents import EnvPool
+from rlbench.algorithms import Algorithm
+from rlbench.batch import Batch, left_pad
+from rlbench.policy import Critic, Policy, Reference
+from rlbench.policy.fsdp import loss_mask, merge_ranks
+from rlbench.rewards import TaskScorer
+from rlbench.samplers import PartialRollouts, SamplingParams, VLLMSampler
+from rlbench.workers.cluster import Pending, WorkerGroup
+
+
+class PolicyHandle:
+    """The trainable policy's ranks (Tinker's TrainingClient): log-probs, gradient steps, its weights."""
+
+    def __init__(self, workers: WorkerGroup, algorithm: Algorithm, norm_length: int):
+        self.workers, self.algorithm, self.norm_length = workers, algorithm, norm_length
+
+    def log_probs(self, batch: Batch) -> torch.Tensor:
+        """Log-probs `[B, T]` of the batch's responses under the current weights (rows split across ranks)."""
+        return self.log_probs_async(batch).result()
+
+    def log_probs_async(self, batch: Batch, sum_pi2: bool = False) -> Pending:
+        """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`);
+        with `sum_pi2`, `[B, T, 2]`: and `Σ_v π_v²` per response token from the same forward."""
+        return self.workers.map_rows("policy", Policy.log_probs, batch, sum_pi2=sum_pi2)
+
+    def columns_async(self, batch: Batch, *, sum_pi2: bool = False) -> Pending:
+        """The batch's `old_logp` column (with `sum_pi2`, also `sum_pi2`: `Σ_v π_v²` per token, OTB) under the current
+        weights, started without waiting; `.result()` gives them by name."""
+        if not sum_pi2:
+            return self.log_probs_async(batch).then(lambda logp_B_T: {"old_logp": logp_B_T})
+        return self.log_probs_async(batch, sum_pi2=True).then(
+            lambda both_B_T_2: dict(zip(("old_logp", "sum_pi2"), (x.contiguous() for x in both_B_T_2.unbind(-1)))))
+
+    def forward_backward(self, batch: Batch, loss_fn: Algorithm | Callable | None = None) -> dict[str, float]:
+        """Accumulate the gradient of a loss over `batch` (rows split across ranks) and return its terms.
+
+        `loss_fn`: None for the session's algorithm, another `Algorithm`, or a registered-style loss function
+        (`f(logp_B_T, old_logp_B_T, advantages_B_T, mask_B_T, **hparams) -> (loss_B_T, metrics)`) reduced
+        the session's algorithm's way. The loss is reduced with the whole batch's token and sequence counts:
+        calling this once per mini-batch and then `optim_step()` is the session's `update()` (which calls
+        `train_step`, the same two in one call).
+        """
+        algorithm = self._loss_algorithm(loss_fn)
+        counts = batch_counts(batch, algorithm.norm_length or self.norm_length)
+        return merge_ranks(self.workers.map_shards("policy", Policy.forward_backward, batch, algorithm=algorithm,
+                                                   **counts).result())
+
+    def optim_step(self) -> dict[str, float]:
+        """One optimizer step over the gradients accumulated since the last one, on every rank:
+        {"grad_norm", "lr", "skipped", "nonfinite_loss", "nonfinite_grad"} (a non-finite loss or gradient
+        norm skips it, weights untouched)."""
+        return self.workers.call("policy", Policy.optim_step)[0]
+
+    def train_step(self, batch: Batch, loss_fn: Algorithm | Callable | None = None) -> dict[str, float]:
+        """`forward_backward(batch, loss_fn) | optim_step()` in one call to each rank (on Ray one round trip
+        instead of two): the same numbers. A failing gradient pass raises before any optimizer step."""
+        algorithm = self._loss_algorithm(loss_fn)
+        counts = batch_counts(batch, algorithm.norm_length or self.norm_length)
+        per_rank = self.workers.map_shards("policy", Policy.train_step, batch, algorithm=algorithm, **counts).result()
+        return merge_ranks([terms for terms, _ in per_rank]) | per_rank[0][1]
+
+    def _loss_algorithm(self, loss_fn: Algorithm | Callable | None) -> Algorithm:
+        """The algorithm whose loss `forward_backward` takes (see there)."""
+        return (self.algorithm if loss_fn is None else loss_fn if isinstance(loss_fn, Algorithm)
+                else self.algorithm.replace(loss=loss_fn, loss_kwargs={}))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) weights, on CPU (rank 0 gathers them)."""
+        return self.workers.call("policy", Policy.state_dict)[0]
+
+    def weights_ref(self):
+        """Rank 0's full weights as numpy arrays, left where they are (a Ray object reference, or the
+        arrays inline): what the sampler loads, zero-copy."""
+        return self.workers.ref("policy", Policy.state_arrays)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.workers.call("policy", Policy.save_checkpoint, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.workers.call("policy", Policy.load_checkpoint, path)
+
+    def export(self, path: str, adapter: bool = False) -> None:
+        """The current weights as a Hugging Face model folder (written by rank 0); under LoRA merged into the
+        base, or with `adapter=True` the adapter alone as a peft folder."""
+        self.workers.call("policy", Policy.export, path, adapter)
+
+    def set_before_backward(self, fn: Callable[[], None] | None) -> None:
+        """Inline only: call `fn` before each backward pass (the overlapped rollout starts there)."""
+        self.workers.call("policy", Policy.set_before_backward, fn)
+
+
+class ReferenceHandle:
+    """A frozen model's ranks. The reference policy: a `Reference` model of its own, or under LoRA the policy's ranks
+    with the adapter off (`Policy.reference_log_probs`; nothing of its own for a checkpoint to keep). Named "teacher":
+    the on-policy distillation teacher, a `Reference` over the teacher's weights (never checkpointed: it never
+    changes)."""
+
+    def __init__(self, workers: WorkerGroup, name: str = "reference", method: Callable = Reference.log_probs):
+        self.workers, self.name, self.method = workers, name, method
+        self.own_weights = name == "reference"
+
+    def log_probs(self, batch: Batch, **options) -> torch.Tensor:
+        """Log-probs `[B, T]` of the batch's responses (rows split across ranks); a teacher's `topk=k` option gives
+        `[B, T, 1 + 2k]`: also its k most likely tokens' log-probs and ids per position (`Reference.log_probs`)."""
+        return self.log_probs_async(batch, **options).result()
+
+    def log_probs_async(self, batch: Batch, **options) -> Pending:
+        """`log_probs` started without waiting for it: `.result()` gives the log-probs (see `WorkerGroup.submit`)."""
+        return self.workers.map_rows(self.name, self.method, batch, **options)
+
+    def columns_async(self, batch: Batch, *, topk: int = 0) -> Pending:
+        """The batch's `ref_logp` column (a teacher's: `teacher_logp`, and with `topk=k` also `teacher_topk_logp` and
+        `teacher_topk_ids` `[B, T, k]`, k at most the vocabulary), started without waiting; `.result()` gives them by
+        name."""
+        prefix = "teacher" if self.name == "teacher" else "ref"  # (the reference under LoRA: the policy's ranks)
+
+        def named(logp_B_T_X: torch.Tensor) -> dict[str, torch.Tensor]:
+            if not topk:
+                return {f"{prefix}_logp": logp_B_T_X}
+            k = (logp_B_T_X.shape[-1] - 1) // 2  # [B, T, 1 + 2k]: the log-probs, the top-k log-probs, their ids
+            return {f"{prefix}_logp": logp_B_T_X[..., 0].contiguous(),
+                    f"{prefix}_topk_logp": logp_B_T_X[..., 1 : 1 + k].contiguous(),
+                    f"{prefix}_topk_ids": logp_B_T_X[..., 1 + k :].long()}
+        return self.log_probs_async(batch, **({"topk": topk} if topk else {})).then(named)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.workers.call("reference", Reference.save_checkpoint, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.workers.call("reference", Reference.load_checkpoint, path)
+
+
+class CriticHandle:
+    """The value model's ranks (PPO)."""
+
+    def __init__(self, workers: WorkerGroup, algorithm: Algorithm, norm_length: int):
+        self.workers, self.algorithm, self.norm_length = workers, algorithm, norm_length
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        """Values `[B, T]` of the batch's response positions (rows split across ranks)."""
+        return self.columns_async(batch).result()["values"]
+
+    def columns_async(self, batch: Batch) -> Pending:
+        """The batch's `values` column, started without waiting; `.result()` gives it by name."""
+        return self.workers.map_rows("critic", Critic.values, batch).then(lambda values_B_T: {"values": values_B_T})
+
+    def train_mini_batch(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of the clipped value loss on the batch's `returns` (needs `values`)."""
+        counts = batch_counts(batch, self.algorithm.norm_length or self.norm_length)
+        return merge_ranks(self.workers.map_shards("critic", Critic.train_mini_batch, batch,
+                                                   mode=self.algorithm.reduction, **counts).result())
+
+    def save_checkpoint(self, path: str) -> None:
+        self.workers.call("critic", Critic.save_checkpoint, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.workers.call("critic", Critic.load_checkpoint, path)
+
+
+class SamplerHandle:
+    """The sampler worker, with the tokenizer that turns examples into its prompts and its tokens into text."""
+
+    def __init__(self, workers: WorkerGroup, tokenizer, choice: str, why: str, sleeps: bool = False):
+        self.workers, self.tokenizer = workers, tokenizer
+        self.choice = choice
+        """Which sampler runs: "hf", "vllm", or a given Sampler's class name."""
+        self.why = why
+        """Why that one (e.g. "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")."""
+        self.sleeps = sleeps
+        """Whether it frees its GPU during each update (vLLM with `vllm_sleep`: a GPU shared with the policy)."""
+
+    def generate(self, examples_or_prompts: Sequence[dict | str | list], params: SamplingParams) -> Batch:
+        """Sample `params.n` completions of each example (a dict with a "prompt") or prompt (text, or a list of
+        chat messages): the rollout table, prompt-major, before any score."""
+        examples = [e if isinstance(e, dict) else {"prompt": e} for e in examples_or_prompts]
+        if not examples:
+            raise ValueError("generate: no examples or prompts given")
+        prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
+        return self._table(examples, prompt_ids, self.generate_ids(prompt_ids, params), params.n)
+
+    def rollout(self, examples: list[dict], params: SamplingParams, min_version: int) -> Batch:
+        """An asynchronous run's rollout (`rl.samplers.PartialRollouts.rollout`): `generate`'s table plus
+        `token_version [B, T]`, the weights version that drew each token (new weights are taken mid-generation)."""
+        prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
+        out = self.workers.call("sampler", PartialRollouts.rollout, prompt_ids, params, min_version)[0]
+        return self._table(examples, prompt_ids, out, params.n)
+
+    def push_weights(self, weights, version: int) -> None:
+        """Asynchronous runs: hand new weights (of this version) to the rollout worker, which takes them at its next
+        token (`rl.samplers.PartialRollouts.push_weights`)."""
+        self.workers.call("sampler", PartialRollouts.push_weights, weights, version)
+
+    def _table(self, examples: list[dict], prompt_ids: list[list[int]], out: Batch, n: int) -> Batch:
+        """The sampler's output with the prompts, the completions' text and the group ids."""
+        rows = [i for i in range(len(examples)) for _ in range(n)]
+        ids_B_P, mask_B_P = left_pad([prompt_ids[i] for i in rows], self.tokenizer.pad_token_id)
+        completions = self.tokenizer.batch_decode(
+            [ids[: k - int(done)] for ids, k, done in
+             zip(out["response_ids"].tolist(), out["response_mask"].sum(-1).tolist(), out["finished"].tolist())])
+        return out.with_columns(
+            prompt=[examples[i]["prompt"] for i in rows], completion=completions,
+            group_ids=torch.tensor(rows), prompt_ids=ids_B_P, prompt_mask=mask_B_P,
+            example=[examples[i] for i in rows])
+
+    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
+        """The sampler's own output for token-id prompts (`rl.samplers.Sampler.generate`): `response_ids`,
+        `response_mask`, `sampler_logp`, `finished`, prompt-major."""
+        return self.workers.call("sampler", _sampler_generate, prompt_ids, params)[0]
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """Token ids of a prompt (`rl.tasks.encode_prompt`): chat template if the tokenizer has one, else plain text."""
+        return tasks.encode_prompt(self.tokenizer, prompt)
+
+    def load_weights(self, weights) -> None:
+        """Replace the sampler's weights with a full state dict (tensors, numpy arrays or a Ray reference to them)."""
+        self.workers.call("sampler", _sampler_load_weights, weights)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights the sampler holds (a sampler without `state_dict()` raises AttributeError)."""
+        return self.workers.call("sampler", _sampler_state_dict)[0]
+
+    def sleep(self) -> None:
+        """vLLM on a GPU shared with the policy: free the KV cache and move the weights off the GPU."""
+        self.workers.call("sampler", VLLMSampler.sleep)
+
+    def before_update(self) -> None:
+        """Called before each update: a sampler that `sleeps` frees the GPU for it (the next weights wake it)."""
+        if self.sleeps:
+            self.sleep()
+
+
+class EnvHandle:
+    """The environment worker of an agentic task (`rl.agents.EnvPool`): environments of running episodes, their
+    tools in threads. Inline it lives in this process; on Ray in an actor of its own, off the driver."""
+
+    def __init__(self, workers: WorkerGroup):
+        self.workers = workers
+
+    def open(self, keys: list[int], examples: list[dict]):
+        return self.workers.call("envs", EnvPool.open, keys, examples)[0]
+
+    def info(self) -> dict:
+        return self.workers.call("envs", EnvPool.info)[0]
+
+    def submit(self, key: int, calls=None, action: str | None = None) -> None:
+        self.workers.call("envs", EnvPool.submit, key, calls, action)
+
+    def poll(self, wait_s: float = 0.0) -> dict:
+        return self.workers.call("envs", EnvPool.poll, wait_s)[0]
+
+    def score(self, key: int, episode):
+        return self.workers.call("envs", EnvPool.score, key, episode)[0]
+
+    def close(self, keys: list[int]) -> None:
+        self.workers.call("envs", EnvPool.close, keys)
+
+
+class ScorerHandle:
+    """The reward worker: the task's reward over completions, in parallel, with a timeout per sample."""
+
+    def __init__(self, workers: WorkerGroup):
+        self.workers = workers
+
+    def score(self, completions: list[str], examples: list[dict], finished_B: torch.Tensor):
+        """(score [B], components {name: [B]}, per-sample errors) of completions."""
+        return self.workers.call("rewards", TaskScorer.score, completions, examples, finished_B)[0]
+
+
+# A sampler is any object following the Sampler protocol (HFSampler, VLLMSampler, a user's): these call its
+# methods whatever its class.
+def _sampler_generate(sampler, prompt_ids, params):
+    return sampler.generate(prompt_ids, params)
+
+
+def _sampler_load_weights(sampler, weights):
+    return sampler.load_weights(weights)
+
+
+def _sampler_state_dict(sampler):
+    return sampler.state_dict()
+
+
+def batch_counts(batch: Batch, norm_length: int) -> dict[str, int]:
+    """The whole batch's loss-token and sequence counts (every rank's share is reduced with them), and `T_norm`."""
+    return dict(num_tokens=int(loss_mask(batch).sum()), num_seqs=len(batch), norm_length=norm_length)
+
+
