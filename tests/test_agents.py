@@ -465,6 +465,22 @@ def test_a_step_in_which_no_episode_starts_is_recorded_with_the_reasons(chat_dir
     s.close()
 
 
+def test_a_first_observation_longer_than_the_context_is_recorded_and_never_run_through_the_model(chat_dir, tokenizer):
+    class Verbose(Calc):
+        def reset(self, prompt, answer):
+            super().reset(prompt, answer)
+            return "Read this first. " * 1200 + prompt  # 20,000 characters for a 512-position model
+
+    s = session(chat_dir, tokenizer, {0: "540"}, env=Verbose)
+    batch = s.score(s.rollout())
+    assert batch["stop_reason"] == ["context_full"] * 4
+    assert all(len(ep.prompt_ids) > 512 for ep in batch["episode"])  # the record keeps what the environment said
+    assert batch["prompt_ids"].shape[1] == 1  # was: the whole 20,000-token prompt went through the policy's forward
+    row = s.step()
+    assert row["reward_mean"] == 0.0
+    s.close()
+
+
 def test_a_slow_tool_does_not_hold_up_the_other_episodes(chat_dir, tokenizer):
     ended = []
 

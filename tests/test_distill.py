@@ -1,6 +1,9 @@
 """On-policy distillation in a session: a frozen teacher scores the student's own samples (`teacher=`), its
 tokenizer checked, its log-probs and top-k distribution in the batch, and a student that learns from it."""
 
+import json
+import shutil
+
 import pytest
 import torch
 from floats import approx, assert_close
@@ -63,6 +66,21 @@ def test_a_distilling_algorithm_needs_a_teacher():
         rl.Session(**SMALL, algorithm="grpo_opd")
     with pytest.raises(ValueError, match="on_policy_old_logp: algorithm 'opd' distils from a teacher"):
         rl.Session(**SMALL, algorithm="opd", teacher="tiny-arith", on_policy_old_logp=True)
+
+
+def test_a_teacher_must_hold_the_prompt_and_the_completion_as_the_policy_must(tiny_dir, tmp_path):
+    # the attack: a folder whose context holds max_new_tokens but not the prompts before them was refused as the
+    # policy and accepted as the teacher, which then scored sequences longer than its context
+    short = tmp_path / "short-context"
+    shutil.copytree(tiny_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = SMALL["max_new_tokens"] + 3  # every arithmetic prompt is longer than 3
+    (short / "config.json").write_text(json.dumps(config))
+    as_policy = r"the longest prompt \(\d+ tokens\) \+ max_new_tokens=8 = \d+ tokens is over the 11 positions"
+    with pytest.raises(ValueError, match=as_policy):
+        rl.Session(**SMALL | {"model": str(short)})
+    with pytest.raises(ValueError, match=as_policy):
+        rl.Session(**SMALL, algorithm="opd", teacher=str(short))
 
 
 def test_restore_brings_the_teacher_back(tiny_dir, tmp_path):

@@ -189,7 +189,10 @@ def to_batch(episodes: list[Episode], group_ids: list[int], completions: list[st
     def padded(rows: list[list], fill, dtype) -> torch.Tensor:
         return torch.tensor([list(r) + [fill] * (T - len(r)) for r in rows], dtype=dtype).view(B, T)
 
-    prompt_ids, prompt_mask = left_pad([ep.prompt_ids for ep in episodes], pad_token_id)
+    # an episode that sampled nothing (its first observation did not fit, or it failed to start) trains nothing:
+    # its row keeps one prompt token, so that no forward runs over a prompt longer than the model's context
+    prompt_ids, prompt_mask = left_pad([ep.prompt_ids if ep.ids else ep.prompt_ids[-1:] for ep in episodes],
+                                       pad_token_id)
     kinds = padded([ep.kinds for ep in episodes], -1, torch.long)
     components = sorted({k for ep in episodes for k in ep.components})
     return Batch({

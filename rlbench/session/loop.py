@@ -43,7 +43,7 @@ class Session:
             warnings.warn(moved, DeprecationWarning, stacklevel=2)
         self.algorithm = preflight.with_correction(algorithms.get(cfg.algorithm), cfg)
         self.task, self.model_dir, self.tokenizer = preflight.prepare(cfg, self.algorithm)
-        self.teacher_dir = preflight.teacher(cfg, self.tokenizer)
+        self.teacher_dir = preflight.teacher(cfg, self.tokenizer, self.task)
         self.identity = {"model": self.model_dir, "tokenizer": f"{type(self.tokenizer).__name__}, {len(self.tokenizer)} tokens",
                          "task": tasks.fingerprint(self.task)}
         """What the batches of this session carry (`meta["session"]`): its stages refuse another session's."""

@@ -49,14 +49,20 @@ def prepare(cfg: Config, algorithm: Algorithm):
     return task, model_dir, tokenizer
 
 
-def teacher(cfg: Config, tokenizer) -> str | None:
+def teacher(cfg: Config, tokenizer, task) -> str | None:
     """The teacher's model directory (None without `teacher=`): its tokenizer is the policy's, and its context holds
-    what the policy's does."""
+    what it scores, the task's longest prompt (as `prepare` left the task) plus `max_new_tokens`."""
     if cfg.teacher is None:
         return None
     teacher_dir = str(models.resolve(cfg.teacher))
     models.check_same_tokenizer(tokenizer, models.load_tokenizer(teacher_dir), teacher_dir, "teacher")
-    models.check_fits(teacher_dir, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens)
+    longest = None
+    if not isinstance(task, tasks.AgentTask):  # an episode's turns are checked as they come
+        room = models.prompt_room(teacher_dir, cfg.max_new_tokens)
+        longest = tasks.longest_prompt_tokens(tokenizer, [*task.train, *task.test],
+                                              fits=lambda n: room is None or n <= room)
+    models.check_fits(teacher_dir, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens,
+                      longest_prompt_tokens=longest)
     return teacher_dir
 
 
