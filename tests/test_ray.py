@@ -259,6 +259,80 @@ def test_a_rollout_worker_killed_mid_generation_is_replaced_and_no_group_is_lost
     assert (metrics["staleness_max"] <= 1).all()
 
 
+def test_a_call_while_a_killed_rollout_worker_is_replaced_waits_and_runs_on_the_new_one(tiny_dir):
+    """`s.sampler` is rollout worker 0's handle. Its worker is killed while it samples; while its feeder starts a new
+    one (the dead one's group already ended), `s.evaluate()` waits for it and runs on it, with the newest weights,
+    instead of failing as if the session were closed. A closed session's handle still refuses at once."""
+    small = CONFIG | dict(prompts_per_step=8, samples_per_prompt=8, max_new_tokens=12, temperature=1.5)
+    with rl.Session(**small, cluster="ray", rollout=rl.Async(max_staleness=1, workers=2)) as s:
+        s.step()  # its push lets the workers start the next tickets: catch worker 0 sampling
+        deadline = time.time() + 10
+        while not s.source.rollouts._flight.get(0) and time.time() < deadline:
+            time.sleep(0.001)
+        dead = s.sampler.workers
+        killed = dead.pids()[0]
+        os.kill(killed, 9)
+        while dead.hosts and time.time() < deadline:  # the replacement has begun: the dead worker's group is ended
+            time.sleep(0.001)
+        assert not dead.hosts, "the feeder never replaced the killed worker"
+        result = s.evaluate(max_prompts=4)
+        assert set(result) == {"greedy_accuracy", "greedy_reward", "sampled_accuracy", "sampled_reward"}
+        assert s.sampler.workers.pids()[0] != killed
+        assert s.sampler.workers.call("sampler", lambda rollouts: rollouts.version) == [s.state.policy_version]
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"the 'rollout-0' workers are closed \(the session was closed\)"):
+        s.evaluate(max_prompts=4)
+    assert time.perf_counter() - start < 1
+
+
+def test_calls_waiting_for_a_new_rollout_worker_that_cannot_start_fail_with_its_reason():
+    """An inline worker whose sampler raises WorkerDied stands for a dead one; its replacement fails. The call that
+    found it dead gets the replacement's error; a call that waited for the replacement, and any later call, fail
+    with it as the reason, and none waits forever."""
+    import threading
+
+    from rlbench.workers import SamplerHandle
+    from rlbench.workers.cluster import WorkerDied, WorkerGroup
+
+    class Dead:
+        def generate(self, prompt_ids, params):
+            raise WorkerDied("worker 'rollout-0' rank 0 died during generate: killed")
+
+    group = WorkerGroup("rollout-0", 1, ray=False, threads=None)
+    group.build("sampler", Dead, [{}])
+    started, release = threading.Event(), threading.Event()
+
+    def restart(dead):
+        started.set()
+        release.wait(10)
+        raise ValueError("no CPU left for a new worker")
+
+    handle = SamplerHandle(group, None, "Dead", "a test's dead sampler", restart=restart)
+    params = rl.samplers.SamplingParams(n=1, max_new_tokens=2)
+    errors = {}
+
+    def call(name, fn):
+        try:
+            fn()
+        except BaseException as error:
+            errors[name] = error
+
+    finder = threading.Thread(target=call, args=("finder", lambda: handle.generate_ids([[1, 2]], params)))
+    finder.start()
+    assert started.wait(10)
+    waiter = threading.Thread(target=call, args=("waiter", handle.state_dict))
+    waiter.start()
+    time.sleep(0.2)  # the waiter waits for the new worker
+    release.set()
+    for thread in (finder, waiter):
+        thread.join(10)
+        assert not thread.is_alive()
+    assert isinstance(errors["finder"], ValueError)
+    for error in (errors["waiter"], pytest.raises(RuntimeError, handle.generate_ids, [[1]], params).value):
+        assert isinstance(error, RuntimeError) and str(error) == ("the 'rollout-0' worker died and no new one could be "
+                                                                  "started: no CPU left for a new worker")
+
+
 def test_lora_with_activation_checkpointing_on_two_ranks_matches_inline(tiny_dir, tmp_path):
     """FSDP2 shards the base and the adapter; only the adapter is gathered for the sampler and kept in checkpoints
     (which a different world size loads); the reference is the policy with its adapter off on both ranks."""

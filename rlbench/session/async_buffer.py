@@ -17,7 +17,8 @@ waiting for are always admitted (they are trained by the current weights). `Sess
 batch it takes.
 
 **Faults.** A worker that dies (a Ray actor killed, out of memory) is replaced by a new one with the newest
-weights; its tickets are drawn again first, under their own indices: no group is lost or trained twice.
+weights, behind the same handle (`SamplerHandle.replace`: a call through it meanwhile, an evaluation, waits for the new
+one); its tickets are drawn again first, under their own indices: no group is lost or trained twice.
 **Checkpoints** keep the finished groups and the prompts of those in flight (`snapshot` / `restore`).
 """
 
@@ -49,12 +50,12 @@ class AsyncRollouts:
     """The buffer of finished groups, the feeder threads of the rollout workers, and the staleness bound.
 
     `workers`: rollout worker handles (`SamplerHandle`s whose sampler is a `PartialRollouts`); `draw()` gives the
-    next example and its seed (advancing the session's data position); `restart(i)` replaces dead worker i and
-    returns its handle; `sample(handle, tickets, min_version)` has a worker roll the tickets out (a Batch of
-    their groups, prompt-major, with `token_version`)."""
+    next example and its seed (advancing the session's data position); `restart(i)` replaces dead worker i behind
+    its handle, with the newest weights pushed to it; `sample(handle, tickets, min_version)` has a worker roll the
+    tickets out (a Batch of their groups, prompt-major, with `token_version`)."""
 
     def __init__(self, workers: list, *, max_staleness: int, groups_per_step: int, draw: Callable[[], tuple[dict, int]],
-                 sample: Callable, restart: Callable[[int], object], version: int = 0):
+                 sample: Callable, restart: Callable[[int], None], version: int = 0):
         self.workers = list(workers)
         self.max_staleness, self.groups_per_step = max_staleness, groups_per_step
         self._draw, self._sample, self._restart = draw, sample, restart
@@ -68,15 +69,15 @@ class AsyncRollouts:
         self._retry: list[Ticket] = []  # tickets of a dead worker, or of a checkpoint's in-flight groups: first
         self._flight: dict[int, list[Ticket]] = {}  # worker -> the tickets it is rolling out
         self._done: dict[int, Batch] = {}  # ticket index -> its finished group
-        self._latest: tuple[object, int] | None = None  # the newest weights and their version, for a new worker
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._closing = False
         self._paused = 0
         self._error: BaseException | None = None
-        self.waits = {"trainer_wait_s": 0.0, "sampler_wait_s": 0.0, "restarts": 0}
-        """Since the last `take_stats()`: seconds the trainer waited for groups, seconds the workers waited
-        for the bound to let them start (summed over workers), and workers restarted."""
+        self.waits = {"trainer_wait_s": 0.0, "sampler_wait_s": 0.0}
+        """Since the last `take_stats()`: seconds the trainer waited for groups, and seconds the workers waited
+        for the bound to let them start (summed over workers)."""
+        self._restarts = 0  # the workers' restarts counted by `take_stats` so far
 
     # ------------------------------------------------------------------------------- the trainer
     def start(self) -> None:
@@ -119,13 +120,10 @@ class AsyncRollouts:
 
     def push(self, weights, version: int) -> None:
         """New weights to every worker (taken at their next token), then let the bound move on."""
-        with self._cond:
-            self._latest = (weights, version)
-            handles = list(self.workers)  # a worker replaced after this line is given these weights by `_replace`
-        for handle in handles:
+        for handle in self.workers:
             try:
                 handle.push_weights(weights, version)
-            except (WorkerDied, RuntimeError):  # dead, or closed by its feeder's `_replace`
+            except WorkerDied:  # the new worker that replaces it takes them first
                 pass
         with self._cond:
             self.version, self._base = version, self.consumed
@@ -146,9 +144,11 @@ class AsyncRollouts:
                 self._cond.notify_all()
 
     def take_stats(self) -> dict[str, float]:
-        """The waits since the last call, and reset them."""
+        """The waits and the workers restarted since the last call, and reset them."""
         with self._cond:
-            stats, self.waits = self.waits, {k: 0.0 if isinstance(v, float) else 0 for k, v in self.waits.items()}
+            restarts = sum(handle.restarts for handle in self.workers)
+            stats = self.waits | {"restarts": restarts - self._restarts}
+            self.waits, self._restarts = dict.fromkeys(self.waits, 0.0), restarts
         return stats
 
     def close(self) -> None:
@@ -258,17 +258,8 @@ class AsyncRollouts:
             self._retry += tickets
             if self._closing:
                 return False
-            self.waits["restarts"] += 1
-        worker = self._restart(w)
-        while True:  # the newest weights, also if a push came meanwhile
-            with self._cond:
-                latest = self._latest
-            if latest is not None:
-                worker.push_weights(*latest)
-            with self._cond:
-                if self._latest is latest:
-                    self.workers[w] = worker
-                    return True
+        self._restart(w)
+        return True
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:

@@ -49,8 +49,8 @@ class Workers:
     """The on-policy distillation teacher (`Config.teacher`), or None."""
     rollout: list[SamplerHandle] | None = None
     """The rollout mode's rollout workers (`RolloutMode.rollout_workers()`: rl.Async's); `sampler` is the first."""
-    restart_rollout: Callable[[int], SamplerHandle] | None = None
-    """Replace rollout worker i (it died) with a new one behind the same handle, and return the handle."""
+    restart_rollout: Callable[[int], None] | None = None
+    """Replace rollout worker i, found dead, with a new one behind the same handle (`SamplerHandle.replace`)."""
 
     def __post_init__(self):
         self._closer = weakref.finalize(self, _close_groups, self.groups, self.on_ray)
@@ -227,16 +227,17 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
     teacher = ReferenceHandle(on["teacher"], "teacher") if "teacher" in on else None
     critic = on.get("critic")
     if rollout_workers:
-        def restart_rollout(i: int) -> SamplerHandle:  # the same handle, over a new worker
-            dead = rollout[i].workers
+        def restart(dead: WorkerGroup) -> WorkerGroup:  # a new rollout worker in place of a dead one
             dead.close()
             groups.remove(dead)
-            workers = group(f"rollout-{i}", 1, concurrency=4)
+            workers = group(dead.name, 1, concurrency=4)
             workers.build("sampler", _partial_rollouts, [dict(factory=factory, kwargs=kwargs)])
-            rollout[i].workers = workers  # once built: other threads use the handle meanwhile
-            return rollout[i]
+            return workers
 
-        rollout = [SamplerHandle(workers, tokenizer, choice, why) for workers in samplers]
+        def restart_rollout(i: int) -> None:
+            rollout[i].replace()
+
+        rollout = [SamplerHandle(workers, tokenizer, choice, why, restart=restart) for workers in samplers]
         sampler = rollout[0]
     else:
         rollout = restart_rollout = None

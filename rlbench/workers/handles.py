@@ -10,6 +10,7 @@ split by token count) or the one worker. Tinker-style custom loops use them dire
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from rlbench.policy import Critic, Policy, Reference
 from rlbench.policy.fsdp import loss_mask, merge_ranks
 from rlbench.rewards import TaskScorer
 from rlbench.samplers import PartialRollouts, SamplingParams, VLLMSampler
-from rlbench.workers.cluster import Pending, WorkerGroup
+from rlbench.workers.cluster import Pending, WorkerDied, WorkerGroup
 
 
 class PolicyHandle:
@@ -175,16 +176,84 @@ class CriticHandle:
 
 
 class SamplerHandle:
-    """The sampler worker, with the tokenizer that turns examples into its prompts and its tokens into text."""
+    """The sampler worker, with the tokenizer that turns examples into its prompts and its tokens into text.
 
-    def __init__(self, workers: WorkerGroup, tokenizer, choice: str, why: str, sleeps: bool = False):
-        self.workers, self.tokenizer = workers, tokenizer
+    A rollout worker's handle (`restart` given) outlives its worker: a call that finds the worker dead has a new one
+    started in its place (`replace`), which takes the newest weights pushed before anything else; calls through the
+    handle meanwhile wait for it and run on it (and fail with its reason if it cannot be started)."""
+
+    def __init__(self, workers: WorkerGroup, tokenizer, choice: str, why: str, sleeps: bool = False,
+                 restart: Callable[[WorkerGroup], WorkerGroup] | None = None):
+        self._workers, self.tokenizer = workers, tokenizer
         self.choice = choice
         """Which sampler runs: "hf", "vllm", or a given Sampler's class name."""
         self.why = why
         """Why that one (e.g. "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")."""
         self.sleeps = sleeps
         """Whether it frees its GPU during each update (vLLM with `vllm_sleep`: a GPU shared with the policy)."""
+        self.restarts = 0
+        """New workers started in place of dead ones."""
+        self._restart = restart  # a new worker's group, given the dead one's
+        self._swap = threading.Condition()  # guards the worker's group and the fields below
+        self._dead: WorkerGroup | None = None  # the group a call found dead, until replaced
+        self._replacing = False
+        self._failed: BaseException | None = None  # why a new worker could not be started
+        self._weights: tuple | None = None  # the newest (weights, version) pushed: a new worker starts from them
+
+    @property
+    def workers(self) -> WorkerGroup:
+        """The worker's group; while a dead worker is replaced, the new one's once it has started (RuntimeError if it
+        could not be)."""
+        with self._swap:
+            self._swap.wait_for(lambda: not self._replacing)
+            if self._failed is not None:
+                raise RuntimeError(f"the '{self._workers.name}' worker died and no new one could be started: "
+                                   f"{self._failed}") from self._failed
+            return self._workers
+
+    def replace(self) -> None:
+        """Start a new worker in place of the one a call found dead (nothing to do if it was replaced already; wait
+        for it if another thread is replacing it), and give it the newest weights pushed before any call runs on it."""
+        with self._swap:
+            self._swap.wait_for(lambda: not self._replacing)
+            if self._failed is not None or self._dead is not self._workers:
+                return
+            self._replacing, dead = True, self._workers
+        try:
+            workers = self._restart(dead)
+            while True:  # the newest weights, also when a push came meanwhile
+                with self._swap:
+                    weights = self._weights
+                if weights is not None:
+                    workers.call("sampler", PartialRollouts.push_weights, *weights)
+                with self._swap:
+                    if self._weights is weights:
+                        self._workers, self._replacing = workers, False
+                        self.restarts += 1
+                        self._swap.notify_all()
+                        return
+        except BaseException as error:
+            with self._swap:
+                self._failed, self._replacing = error, False
+                self._swap.notify_all()
+            raise
+
+    def _call(self, method: Callable, *args, again: bool = True):
+        """`method(sampler, *args)` on the worker. A rollout worker found dead is replaced and the call runs again on
+        the new one; with `again=False` the WorkerDied is raised instead (the worker stays marked dead for `replace`)."""
+        workers = self.workers
+        try:
+            return workers.call("sampler", method, *args)[0]
+        except WorkerDied:
+            if self._restart is None:
+                raise
+            with self._swap:
+                if self._workers is workers:
+                    self._dead = workers
+            if not again:
+                raise
+        self.replace()
+        return self.workers.call("sampler", method, *args)[0]
 
     def generate(self, examples_or_prompts: Sequence[dict | str | list], params: SamplingParams) -> Batch:
         """Sample `params.n` completions of each example (a dict with a "prompt") or prompt (text, or a list of
@@ -197,15 +266,21 @@ class SamplerHandle:
 
     def rollout(self, examples: list[dict], params: SamplingParams, min_version: int) -> Batch:
         """An asynchronous run's rollout (`rl.samplers.PartialRollouts.rollout`): `generate`'s table plus
-        `token_version [B, T]`, the weights version that drew each token (new weights are taken mid-generation)."""
+        `token_version [B, T]`, the weights version that drew each token (new weights are taken mid-generation).
+        A dead worker raises WorkerDied: the caller draws the examples again, after `replace()`."""
         prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
-        out = self.workers.call("sampler", PartialRollouts.rollout, prompt_ids, params, min_version)[0]
+        out = self._call(PartialRollouts.rollout, prompt_ids, params, min_version, again=False)
         return self._table(examples, prompt_ids, out, params.n)
 
     def push_weights(self, weights, version: int) -> None:
         """Asynchronous runs: hand new weights (of this version) to the rollout worker, which takes them at its next
-        token (`rl.samplers.PartialRollouts.push_weights`)."""
-        self.workers.call("sampler", PartialRollouts.push_weights, weights, version)
+        token (`rl.samplers.PartialRollouts.push_weights`); a worker being replaced, or found dead (WorkerDied), has its
+        replacement take them first."""
+        with self._swap:
+            self._weights = (weights, version)
+            if self._replacing:
+                return
+        self._call(PartialRollouts.push_weights, weights, version, again=False)
 
     def _table(self, examples: list[dict], prompt_ids: list[list[int]], out: Batch, n: int) -> Batch:
         """The sampler's output with the prompts, the completions' text and the group ids."""
@@ -222,7 +297,7 @@ class SamplerHandle:
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
         """The sampler's own output for token-id prompts (`rl.samplers.Sampler.generate`): `response_ids`,
         `response_mask`, `sampler_logp`, `finished`, prompt-major."""
-        return self.workers.call("sampler", _sampler_generate, prompt_ids, params)[0]
+        return self._call(_sampler_generate, prompt_ids, params)
 
     def encode_prompt(self, prompt) -> list[int]:
         """Token ids of a prompt (`rl.tasks.encode_prompt`): chat template if the tokenizer has one, else plain text."""
@@ -230,15 +305,15 @@ class SamplerHandle:
 
     def load_weights(self, weights) -> None:
         """Replace the sampler's weights with a full state dict (tensors, numpy arrays or a Ray reference to them)."""
-        self.workers.call("sampler", _sampler_load_weights, weights)
+        self._call(_sampler_load_weights, weights)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights the sampler holds (a sampler without `state_dict()` raises AttributeError)."""
-        return self.workers.call("sampler", _sampler_state_dict)[0]
+        return self._call(_sampler_state_dict)
 
     def sleep(self) -> None:
         """vLLM on a GPU shared with the policy: free the KV cache and move the weights off the GPU."""
-        self.workers.call("sampler", VLLMSampler.sleep)
+        self._call(VLLMSampler.sleep)
 
     def before_update(self) -> None:
         """Called before each update: a sampler that `sleeps` frees the GPU for it (the next weights wake it)."""
