@@ -2,7 +2,9 @@
 killed mid-save leaves the last good checkpoint); export gives a plain Hugging Face model folder; a
 non-finite loss or gradient skips the step instead of corrupting the weights."""
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,6 +107,80 @@ def test_restore_names_what_is_missing(tmp_path):
         rl.Session.restore(tmp_path / "nothing")
     with pytest.raises(ValueError, match="holds no complete checkpoint"):
         rl.Session.restore(tmp_path)
+
+
+def test_a_checkpoint_without_its_policy_is_damaged_and_the_root_falls_back(tmp_path):
+    # the attack: with policy/ deleted, restore reported the checkpoint's step and metrics but held the initial
+    # weights and a fresh optimizer
+    with rl.Session(**SMALL, log_dir=None) as s:
+        s.step()
+        older = s.save(tmp_path)
+        s.step()
+        newer = s.save(tmp_path)
+    assert json.loads((newer / "manifest.json").read_text())["parts"] == ["config.json", "policy", "reference",
+                                                                            "session.pt"]
+    shutil.rmtree(newer / "policy")
+    assert checkpoints.damage(newer) == "step-000002/policy is missing"
+    with pytest.raises(ValueError, match=r"the checkpoint .*step-000002 is damaged: step-000002/policy is missing; "
+                                         r"restore the previous complete checkpoint, .*step-000001, instead"):
+        rl.Session.restore(newer)
+    with pytest.warns(UserWarning, match="skipping the damaged checkpoint .*step-000002: step-000002/policy is missing"):
+        with rl.Session.restore(tmp_path) as r:
+            assert r.step_count == 1 and checkpoints.step_of(older) == 1
+
+
+def test_restoring_with_a_model_the_weights_do_not_fit_is_refused(tmp_path):
+    # the attack: a 2-layer run restored with the 1-layer tiny-arith-small loaded the layer that fits, dropped the
+    # other and carried on under the checkpoint's step count
+    with rl.Session(**SMALL, log_dir=None) as s:
+        s.step()
+        folder = s.save(tmp_path)
+    with pytest.raises(rl.policy.checkpoint.CheckpointError,
+                       match=r"holds another model's weights: \d+ of its tensors are not in this model "
+                             r"\(model\.layers\.1\..*Restore it with the model"):
+        rl.Session.restore(folder, model="tiny-arith-small")
+
+
+def test_a_restored_branch_gets_its_own_run_and_the_later_checkpoints_stay(tmp_path):
+    # the attack: a run restored at an older step saved into the root of the abandoned timeline; keep_last counted by
+    # step number and deleted the checkpoint just saved, and restore(root) then gave the abandoned timeline's last step
+    # and rewrote metrics.jsonl with its rows
+    settings = SMALL | dict(log_dir=str(tmp_path / "runs"), run_name="trunk", keep_last=2)
+    with rl.Session(**settings, save_every=2) as s:
+        s.run(6, progress=False)
+    root = tmp_path / "runs" / "trunk" / "checkpoints"
+    assert [p.name for p in checkpoints.step_dirs(root)] == ["step-000004", "step-000006"]
+    with pytest.warns(UserWarning, match=r"restored step 4 of run trunk, whose checkpoints go on to step-000006: this "
+                                         r"session is a branch, run 'trunk-from-4'"):
+        branch = rl.Session.restore(root / "step-000004")
+    with branch:
+        assert (branch.run_name, branch.step_count) == ("trunk-from-4", 4)
+        branch.step()
+        saved = branch.save()
+        assert saved.is_dir() and saved == tmp_path / "runs" / "trunk-from-4" / "checkpoints" / "step-000005"
+    assert [p.name for p in checkpoints.step_dirs(root)] == ["step-000004", "step-000006"]  # the trunk as it was
+    assert len((tmp_path / "runs" / "trunk" / "metrics.jsonl").read_text().splitlines()) == 6
+    assert len((tmp_path / "runs" / "trunk-from-4" / "metrics.jsonl").read_text().splitlines()) == 5
+    with rl.Session.restore(root) as trunk, rl.Session.restore(saved.parent) as twig:
+        assert (trunk.run_name, trunk.step_count, twig.run_name, twig.step_count) == ("trunk", 6, "trunk-from-4", 5)
+
+
+def test_a_save_dir_holds_one_runs_checkpoints(tmp_path):
+    # the attack: two sessions with different run names and one save_dir: the second's save of a step replaced the
+    # first's checkpoint, and keep_last deleted the other run's checkpoints too
+    shared = str(tmp_path / "shared")
+    with rl.Session(**SMALL, log_dir=None, run_name="first", save_dir=shared) as first:
+        with pytest.raises(rl.runs.folders.RunFolderBusy, match=r"checkpoint folder \(save_dir\) .*shared is held by a "
+                                                                r"live session: pid \d+"):
+            rl.Session(**SMALL, log_dir=None, run_name="second", save_dir=shared)
+        first.step()
+        first.save()
+    with rl.Session(**SMALL, log_dir=None, run_name="second", save_dir=shared) as second:
+        second.step()
+        with pytest.raises(ValueError, match=r"shared holds the checkpoints of run first, and a checkpoint folder holds "
+                                             r"one run's"):
+            second.save()
+    assert [checkpoints.run_of(p) for p in checkpoints.step_dirs(shared)] == ["first"]
 
 
 KILLED_MID_SAVE = """

@@ -2,6 +2,8 @@
 exactly what the policy computes; the reference is the policy with its adapter off (no second copy of the weights);
 checkpoints hold the adapter and resume bit for bit; export writes the merged model or the peft adapter."""
 
+import re
+
 import pytest
 import torch
 from floats import assert_close
@@ -256,3 +258,20 @@ def test_async_rollout_workers_take_the_adapter_mid_generation():
     assert metrics["staleness_max"].max() == 0
     assert metrics["sampler_mismatch_max"].max() < 1e-4
     assert held.keys() == adapter.keys() and all(torch.equal(held[k], adapter[k]) for k in adapter)
+
+
+def test_restoring_with_another_adapter_is_refused_naming_what_differs(tmp_path):
+    # the attack: another alpha was accepted (rescaling every trained delta), fewer target modules too (4 of 28 adapter
+    # tensors kept); another rank, or no LoRA, was refused only by the shapes torch could not load
+    with rl.Session(**SMALL) as s:
+        s.step()
+        folder = s.save(tmp_path / "ckpt")
+    for lora, named in [(rl.LoRA(rank=8, alpha=32), r"an adapter trained with alpha=16"),
+                        (rl.LoRA(rank=8, alpha=16, target_modules=["q_proj", "v_proj"]),
+                         r"an adapter trained with target_modules='all-linear'"),
+                        (rl.LoRA(rank=4, alpha=16), r"an adapter trained with rank=8"),
+                        (None, r"an adapter, LoRA\(rank=8, alpha=16")]:
+        with pytest.raises(ValueError, match=rf"restore: lora={re.escape(repr(lora))}, but the checkpoint holds {named}"):
+            rl.Session.restore(folder, lora=lora)
+    with rl.Session.restore(folder, lora=rl.LoRA(rank=8, alpha=16)) as same:  # the saved one, given again
+        assert same.step_count == 1

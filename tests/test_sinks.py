@@ -1,6 +1,9 @@
 import math
+import resource
+import signal
 import sys
 import types
+from contextlib import contextmanager
 
 import pytest
 from floats import approx
@@ -29,6 +32,42 @@ def test_jsonl_sink_appends_one_line_per_row(tmp_path):
     sink.close()
     logged = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert logged["reward_mean"].tolist() == [0.25, 0.5] and math.isnan(logged["loss"][1])
+
+
+@contextmanager
+def file_size_limit(path):
+    """Writes past `path`'s present size fail as on a full disk: the kernel writes what fits, then write(2) fails
+    (RLIMIT_FSIZE, with SIGXFSZ ignored so that the failure is an OSError, EFBIG, rather than the end of the
+    process). Filling a real disk is not possible here; the short write and the error are the same."""
+    limit = path.stat().st_size + 10  # room for part of the next line, not all of it
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, previous[0][1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous[0])
+        signal.signal(signal.SIGXFSZ, previous[1])
+
+
+def test_a_step_whose_log_write_fails_stays_recorded_and_the_log_gets_no_hole(tiny_dir, tmp_path):
+    # the attack: a disk that filled while the metrics log was written made step() raise a bare OSError after the
+    # step was trained and counted, and once there was room again the log had a silent hole (steps != log lines)
+    with rl.Session(model=tiny_dir, cluster="inline", prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4,
+                    threads=1, log_dir=str(tmp_path), run_name="full") as s:
+        log = tmp_path / "full" / "metrics.jsonl"
+        s.step()
+        with file_size_limit(log), pytest.raises(OSError, match=r"step 1 is trained and recorded \(session.metrics\), "
+                                                                r"but its log is behind: .*metrics.jsonl: the metrics "
+                                                                r"row\(s\) of step 1 could not be written \(File too "
+                                                                r"large\); they are kept"):
+            s.step()
+        assert s.step_count == 2 and len(s.metrics) == 2
+        assert log.read_text().count("\n") == 1 and log.read_text().endswith("\n")  # no half line
+        s.step()  # room again: the kept row goes first
+        assert read_jsonl(log)["step"].tolist() == [0, 1, 2]
+        with file_size_limit(log), pytest.raises(OSError):
+            s.step()
+    assert read_jsonl(log)["step"].tolist() == [0, 1, 2, 3]  # written when the session closed
 
 
 def test_tensorboard_sink_writes_every_number_at_its_step(tmp_path):

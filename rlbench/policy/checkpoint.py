@@ -65,6 +65,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer |
     model_state = get_model_state_dict(model, options=options)
     state = {"model": model_state if frozen else trained_only(model, model_state)}
     with _torch_io("read", path):
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    _check_same_tensors(path, saved, state["model"])
+    with _torch_io("read", path):
         local = torch.load(path / f"rank{_saved_rank(path, rank)}.pt", weights_only=True)
         if optimizer is not None and local["has_optimizer_state"]:
             state["optimizer"] = get_optimizer_state_dict(model, optimizer.adamw)
@@ -94,6 +97,25 @@ def export(path: str | os.PathLike, model: torch.nn.Module, *, rank: int = 0, wo
         raise RuntimeError(f"export: no weights for {sorted(missing)}")
     with models.quiet_transformers():
         plain.save_pretrained(path)
+
+
+def _check_same_tensors(path: Path, metadata: dict, model_state: dict) -> None:
+    """CheckpointError when the checkpoint `path` (its dcp `metadata`) holds other tensors than `model_state`
+    (another model, or another adapter): torch would load the ones they share and leave the rest as they are."""
+    saved = {key.removeprefix("model."): tuple(getattr(entry, "size", ()))
+             for key, entry in metadata.items() if key.startswith("model.")}
+    here = {key: tuple(value.shape) for key, value in model_state.items()}
+    missing, extra = sorted(set(here) - set(saved)), sorted(set(saved) - set(here))
+    reshaped = [f"{key} {saved[key]} there, {here[key]} here" for key in sorted(set(saved) & set(here))
+                if saved[key] != here[key]]
+    found = [f"{len(names)} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+             for names, what in ((missing, "tensors of this model are not in it"),
+                                 (extra, "of its tensors are not in this model"),
+                                 (reshaped, "have another shape"))
+             if names]
+    if found:
+        raise CheckpointError(f"the checkpoint {path} holds another model's weights: {'; '.join(found)}. Restore it "
+                              f"with the model (and the LoRA settings) it was saved with: its config.json names them")
 
 
 def _saved_rank(path: Path, rank: int) -> int:

@@ -9,7 +9,11 @@ newest complete one (which is why `keep_last` keeps more than one).
 What a folder holds is written by the session: `session.pt` (counters, RNGs, metrics), `config.json`,
 one subfolder per trained model (`policy/`, `reference/`, `critic/`: torch.distributed.checkpoint's
 `.metadata` and `*.distcp` shards plus each rank's `rank{r}.pt`), and optionally `sampler.pt` and
-`next_batch.pt`.
+`next_batch.pt`. `writing` adds `manifest.json`: every file and folder the checkpoint must contain, the run it
+belongs to and what the caller says of it (the model), so that a part deleted later is found missing.
+
+A root holds one run's checkpoints: `writing` refuses to add a step of another run (its `keep_last` would delete
+that run's checkpoints, and a restore of the root would mix the two), and counts `keep_last` over its own run.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 _STEP = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+LEGACY_PARTS = ("session.pt", "config.json", "policy")
+"""What a checkpoint written before manifests must hold."""
 
 
 def step_dirs(root: str | os.PathLike) -> list[Path]:
@@ -62,7 +69,7 @@ def resolve(path: str | os.PathLike) -> Path:
     if _is_checkpoint(path):
         problem = damage(path)
         if problem is not None:
-            earlier = [p for p in step_dirs(path.parent) if _step(p) < _step(path)]
+            earlier = [p for p in step_dirs(path.parent) if step_of(p) < step_of(path)]
             previous = _newest_complete(earlier)
             fix = (f"restore the previous complete checkpoint, {previous}, instead" if previous is not None
                    else f"there is no earlier complete checkpoint in {path.parent}")
@@ -87,10 +94,11 @@ def resolve(path: str | os.PathLike) -> Path:
 
 @contextmanager
 def writing(root: str | os.PathLike, step: int, *, keep_last: int | None = None,
-            expected_bytes: int | None = None):
-    """Yield a temporary folder to write step `step`'s checkpoint into; on success rename it to
-    `root/step-NNNNNN` (replacing a previous save of the same step) and delete all but the newest
-    `keep_last` checkpoints. On an error the temporary folder is removed and nothing else changes.
+            expected_bytes: int | None = None, run: str | None = None, about: dict | None = None):
+    """Yield a temporary folder to write step `step`'s checkpoint into; on success write its manifest (what it
+    holds, `run`, `about`), rename it to `root/step-NNNNNN` (replacing a previous save of the same step) and delete
+    all but the newest `keep_last` checkpoints of the run. On an error the temporary folder is removed and nothing
+    else changes. ValueError, before anything is written, when `root` holds another run's checkpoints.
 
     Disk space: OSError (ENOSPC) before writing anything when the root's disk has less free than the
     newest complete checkpoint there takes (or `expected_bytes`, when there is none); a write cut short
@@ -101,11 +109,19 @@ def writing(root: str | os.PathLike, step: int, *, keep_last: int | None = None,
     for stale in root.glob(".step-*.partial-*"):  # left by a crash during an earlier save
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step-{step:06d}"
+    others = {owner for folder in step_dirs(root) if (owner := run_of(folder)) not in (None, run)}
+    if run is not None and others:
+        raise ValueError(f"{root} holds the checkpoints of run {', '.join(sorted(others))}, and a checkpoint folder "
+                         f"holds one run's (keep_last would delete the other run's, and restoring the folder would "
+                         f"mix the two): save run {run} elsewhere (save(path), or save_dir=...)")
     _check_space(root, final.name, expected_bytes)
     partial = root / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
     try:
         yield partial
+        parts = sorted(p.name for p in partial.iterdir())
+        (partial / MANIFEST).write_text(json.dumps({"step": step, "run": run, "parts": parts} | (about or {}),
+                                                   indent=1))
         _sync_tree(partial)
         if final.exists():  # a second save of the same step: the new one wins
             trash = root / f".{final.name}.partial-old-{uuid.uuid4().hex[:8]}"
@@ -124,8 +140,21 @@ def writing(root: str | os.PathLike, step: int, *, keep_last: int | None = None,
                                         f"space, or keep fewer checkpoints (keep_last), and save again") from error
         raise
     if keep_last:
-        for old in step_dirs(root)[:-keep_last]:
+        for old in [folder for folder in step_dirs(root) if run_of(folder) in (None, run)][:-keep_last]:
             shutil.rmtree(old)
+
+
+def manifest(folder: str | os.PathLike) -> dict | None:
+    """The checkpoint `folder`'s manifest (None for one written before manifests, or when unreadable)."""
+    try:
+        return json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_of(folder: str | os.PathLike) -> str | None:
+    """The run the checkpoint `folder` belongs to, as its manifest says (None: it does not say)."""
+    return (manifest(folder) or {}).get("run")
 
 
 # ---------------------------------------------------------------------------------------- checking
@@ -134,6 +163,11 @@ def _problems(folder: Path) -> Iterator[str | None]:
     if not folder.is_dir():
         yield f"{folder} is not a folder"
         return
+    if (folder / MANIFEST).exists():
+        yield _unreadable_json(folder / MANIFEST, folder)
+    listed = manifest(folder)
+    parts = listed["parts"] if listed is not None else LEGACY_PARTS
+    yield next((f"{_name(folder / part, folder)} is missing" for part in parts if not (folder / part).exists()), None)
     yield _unreadable_torch(folder / "session.pt", folder)
     yield _unreadable_json(folder / "config.json", folder)
     for optional in ("sampler.pt", "next_batch.pt"):
@@ -204,7 +238,8 @@ def _is_checkpoint(path: Path) -> bool:
                               or (path / "config.json").exists())
 
 
-def _step(folder: Path) -> int:
+def step_of(folder: Path) -> int:
+    """The step of the checkpoint folder `step-NNNNNN` (-1 for another name)."""
     m = _STEP.match(folder.name)
     return int(m.group(1)) if m else -1
 

@@ -51,19 +51,20 @@ def new_run_name(algorithm: str, seed: int) -> str:
 class RunFolderBusy(RuntimeError):
     """The run folder is held by a live session (its `RunLock`)."""
 
-    def __init__(self, folder: Path, holder: dict):
+    def __init__(self, folder: Path, holder: dict, what: str = "run folder"):
         self.folder = folder
         self.pid = holder["pid"]
         elsewhere = "" if holder["host"] == socket.gethostname() else (
             " (another machine: this one cannot tell whether it still runs)")
+        fix = "pick another run_name" if what == "run folder" else "pick another one"
         super().__init__(
-            f"run folder {folder} is held by a live session: pid {self.pid} on {holder['host']}{elsewhere}, "
-            f"since {holder['created']}. Two sessions must not share a run folder: pick another run_name, or "
+            f"{what} {folder} is held by a live session: pid {self.pid} on {holder['host']}{elsewhere}, "
+            f"since {holder['created']}. Two sessions must not share a {what.split(' (')[0]}: {fix}, or "
             f"close that session first (session.close()). If no such session runs, delete {folder / LOCK_FILE}.")
 
 
 class RunLock:
-    """A live session's hold on its run folder: `folder/.lock`, naming the holding process.
+    """A live session's hold on its run folder (or checkpoint folder): `folder/.lock`, naming the holding process.
 
     `acquire()` creates the lock file, or raises `RunFolderBusy` while another holder runs, this process
     included (two sessions in one notebook must not share a folder either). A lock whose process is gone
@@ -72,9 +73,11 @@ class RunLock:
     collected or Python exits. Use it as a context manager, or call the two.
     """
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, what: str = "run folder"):
         self.folder = Path(folder).expanduser().resolve()  # later chdir()s do not move the lock
         self.path = self.folder / LOCK_FILE
+        self.what = what
+        """What the folder is, for the message when it is held (`RunFolderBusy`)."""
         self._release: weakref.finalize | None = None
 
     @property
@@ -100,7 +103,7 @@ class RunLock:
                 warnings.warn(f"{self.path} is not a lock file rlbench wrote ({seen[:80]!r}); taking it over as "
                               "stale", stacklevel=2)
             elif _is_running(holder):
-                raise RunFolderBusy(self.folder, holder)
+                raise RunFolderBusy(self.folder, holder, self.what)
             _remove_stale(self.path, seen)
         self._release = weakref.finalize(self, _remove_if_ours, self.path, token)
         return self

@@ -9,35 +9,63 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import warnings
 from pathlib import Path
 
 
 class JsonlSink:
-    """One JSON object per line, flushed per step, so a crashed run keeps every finished step."""
+    """One JSON object per line, written per step, so a crashed run keeps every finished step.
+
+    A write that fails (a full disk) leaves no part of its line in the file: the row is kept and written before the
+    next one (or when the sink closes), so that once there is room again the file has every step, in order."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path).resolve()  # later chdir()s do not move the log
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = None
+        self._pending: list[dict] = []
 
     def write(self, row: dict) -> None:
-        if self._file is None:
-            self._file = self.path.open("a")
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        """Append `row` (after any kept from a failed write); OSError naming the file and the steps kept when the
+        write fails."""
+        self._pending.append(row)
+        self._flush()
+
+    def _flush(self) -> None:
+        data = "".join(json.dumps(row) + "\n" for row in self._pending).encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start = os.fstat(fd).st_size
+            try:
+                written = 0
+                while written < len(data):
+                    written += os.write(fd, data[written:])
+            except OSError as error:
+                os.ftruncate(fd, start)  # never half a line
+                steps = [row.get("step") for row in self._pending]
+                raise OSError(error.errno, f"{self.path}: the metrics row(s) of step {', '.join(map(str, steps))} "
+                                           f"could not be written ({error.strerror}); they are kept and written "
+                                           f"before the next row, or when the sink closes") from error
+            self._pending.clear()
+        finally:
+            os.close(fd)
 
     def resume(self, rows: list[dict]) -> None:
         """Make the file hold exactly `rows` (a checkpoint's metrics): steps logged after that checkpoint,
         by a run that crashed, are about to be redone."""
-        self.close()
+        self._pending.clear()
         partial = self.path.with_suffix(".jsonl.partial")
         partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
         os.replace(partial, self.path)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Write the rows kept from failed writes (a warning names them if it fails again)."""
+        if self._pending:
+            try:
+                self._flush()
+            except OSError as error:
+                warnings.warn(f"{self.path}: the metrics row(s) of step {', '.join(str(r.get('step')) for r in self._pending)} "
+                              f"could not be written at close ({error.__cause__.strerror}): the file lacks them",
+                              stacklevel=2)
 
 
 def read_jsonl(path: str | Path):

@@ -49,14 +49,19 @@ class Session:
         """What the batches of this session carry (`meta["session"]`): its stages refuse another session's."""
         self.state = SessionState(run_name=cfg.run_name or new_run_name(self.algorithm.name, cfg.seed),
                                   reward_kl=self.algorithm.reward_kl_controller() if self.algorithm.reward_kl_coef else None)
-        # the run folder is this session's alone while it is open (another live session's is refused, naming it)
-        self._run_lock = RunLock(Path(cfg.log_dir) / self.state.run_name).acquire() if cfg.log_dir else None
+        # the run folder and the checkpoint folder are this session's alone while it is open (another live
+        # session's is refused, naming it)
+        self._locks = [RunLock(Path(cfg.log_dir) / self.state.run_name)] if cfg.log_dir else []
+        if cfg.save_dir is not None and Path(cfg.save_dir).expanduser().resolve() not in {l.folder for l in self._locks}:
+            self._locks.append(RunLock(cfg.save_dir, what="checkpoint folder (save_dir)"))
         try:
+            for lock in self._locks:
+                lock.acquire()
             self.workers = start_workers(cfg, self.algorithm, self.task, self.model_dir, self.tokenizer, self.teacher_dir,
                                          rollout_workers=sources.mode_of(cfg).rollout_workers())
         except BaseException:
-            if self._run_lock is not None:
-                self._run_lock.release()
+            for lock in self._locks:
+                lock.release()
             raise
         report = self.workers.template_report(self.task.train[0])  # not append-only: the model sees other tokens
         if report is not None and not report.ok:
@@ -93,8 +98,8 @@ class Session:
         self.source.close()
         for sink in self.sinks:
             sink.close()
-        if self._run_lock is not None:
-            self._run_lock.release()
+        for lock in self._locks:
+            lock.release()
 
     def __enter__(self) -> Session:
         return self
@@ -283,12 +288,19 @@ class Session:
         self.state.history.append(row)
         self.state.step_count += 1
         self.last_batch = batch
+        unwritten = None
         for sink in self.sinks:
-            sink.write(row)
+            try:
+                sink.write(row)
+            except OSError as error:  # the step stays recorded whole: the sink keeps the row for its next write
+                unwritten = error
         for callback in self.callbacks:
             callback(self, row)
         if stats["skipped"]:
             self.state.record_skipped(stats, self.config.max_skipped_updates)
+        if unwritten is not None:
+            raise OSError(unwritten.errno, f"step {row['step']} is trained and recorded (session.metrics), but its "
+                                           f"log is behind: {unwritten.strerror or unwritten}. Make room and go on") from unwritten
         return row
 
     def run(self, steps: int, *, progress: bool = True, retries: int = 0):
@@ -359,12 +371,14 @@ class Session:
         """A session continuing from a checkpoint: a `save()` folder, or the latest one under a checkpoint
         root. Keyword arguments replace saved settings (e.g. `cluster="ray"`, `world_size=2`: the sharded
         state reloads at any world size); fields that were Python objects (a Task, an Algorithm) must be
-        passed again. The run goes on under its saved run_name, and exactly as it would have without the
-        stop: same data order, same sampling seeds, same optimizer state. The process's global RNGs are not
-        touched (the loop draws nothing from them).
+        passed again; `lora=` must be the saved adapter's. The run goes on under its saved run_name, and exactly
+        as it would have without the stop: same data order, same sampling seeds, same optimizer state. From a
+        checkpoint that later ones of the run follow, the session is a branch with a run name (and checkpoint
+        folder) of its own, `<run>-from-<step>`, and the later ones stay as they were. The process's global RNGs
+        are not touched (the loop draws nothing from them).
         """
         folder, state, record = resume.read(path)
-        session = cls(Config.from_record(record, **{"run_name": state.run_name} | overrides))
+        session = cls(Config.from_record(record, **resume.settings(folder, state, record, overrides)))
         try:
             resume.load(session, folder, state)
         except BaseException:

@@ -4,14 +4,21 @@ A folder (`step-NNNNNN/`, written atomically by `rlbench.runs.checkpoints`) hold
 (`policy/`, `reference/`, `critic/`: each worker writes its shards), the rollout mode's part (`RolloutSource.save`:
 the sampler's weights when they lag the policy's, `sampler.pt`; the batch sampled for the next step under `rl.Overlap`,
 `next_batch.pt`; the finished groups and in-flight prompts of `rl.Async`, `rollouts.pt`), the configuration
-(`config.json`) and the `SessionState` (`session.pt`).
+(`config.json`), the `SessionState` (`session.pt`) and the manifest (`manifest.json`: every part, the run, the model
+and its adapter), which the damage check reads.
+
+A folder belongs to its run: saves of other runs into its root are refused, and a session restored from a checkpoint
+that later ones of its run follow is a branch, a run of its own (`settings`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import warnings
 from pathlib import Path
 
+from rlbench.models.lora import LoRA
 from rlbench.runs import checkpoints
 from rlbench.session import sources
 from rlbench.session.state import SessionState
@@ -19,9 +26,10 @@ from rlbench.workers.build import start_workers
 
 
 def save(session, root: Path, keep_last: int) -> Path:
-    """Write `session`'s checkpoint under `root` (keeping the newest `keep_last`); return its folder."""
-    step = session.state.step_count
-    with checkpoints.writing(root, step, keep_last=keep_last) as folder:
+    """Write `session`'s checkpoint under `root` (keeping the newest `keep_last` of its run); return its folder."""
+    step, cfg = session.state.step_count, session.config
+    about = {"model": session.model_dir, "lora": cfg.lora.to_dict() if cfg.lora else None}
+    with checkpoints.writing(root, step, keep_last=keep_last, run=session.state.run_name, about=about) as folder:
         for name, handle in session.workers.trained().items():
             handle.save_checkpoint(str(folder / name))
         (folder / "config.json").write_text(json.dumps(session.config.to_record(), indent=1))
@@ -37,6 +45,52 @@ def read(path) -> tuple[Path, SessionState, dict]:
     return folder, SessionState.load(folder / "session.pt"), json.loads((folder / "config.json").read_text())
 
 
+def settings(folder: Path, state: SessionState, record: dict, overrides: dict) -> dict:
+    """The settings that replace saved ones in a session restored from `folder`: `overrides`, the run's name, and for
+    a branch its own run and checkpoint folder. Restored from a checkpoint that later ones of its run follow, the
+    session is a branch, `<run>-from-<step>` (unless `run_name` is given), so that what it saves and logs never
+    mixes with the later ones, which stay as they were. ValueError when `lora` differs from the saved adapter's."""
+    _check_lora(record.get("lora"), overrides)
+    step, run = checkpoints.step_of(folder), state.run_name
+    later = [f for f in checkpoints.step_dirs(folder.parent) if checkpoints.step_of(f) > step
+             and checkpoints.run_of(f) in (None, run) and checkpoints.damage(f) is None]
+    if not later or "run_name" in overrides:
+        return {"run_name": run} | overrides
+    branch = {"run_name": _unused(f"{run}-from-{step}", lambda name: record.get("log_dir") and
+                                  Path(record["log_dir"], name).exists())}
+    if record.get("save_dir") and "save_dir" not in overrides:
+        branch["save_dir"] = _unused(f"{record['save_dir']}-from-{step}", lambda path: Path(path).exists())
+    warnings.warn(f"restored step {step} of run {run}, whose checkpoints go on to {later[-1].name}: this session is "
+                  f"a branch, run {branch['run_name']!r}"
+                  + (f" (checkpoints in {branch['save_dir']})" if "save_dir" in branch else "")
+                  + f"; run {run}'s later checkpoints and metrics stay as they are", stacklevel=3)
+    return branch | overrides
+
+
+def _unused(name: str, taken) -> str:
+    """`name`, or `name-2`, `name-3`, ... : the first that is not `taken`."""
+    return next(candidate for candidate in (name if i == 1 else f"{name}-{i}" for i in itertools.count(1))
+                if not taken(candidate))
+
+
+def _check_lora(saved: dict | None, overrides: dict) -> None:
+    if "lora" not in overrides:
+        return
+    given, saved = LoRA.of(overrides["lora"]), LoRA.of(saved)
+    if given == saved:
+        return
+    if saved is None or given is None:
+        held = "a full model's weights, no adapter" if saved is None else f"an adapter, {saved!r}"
+    else:
+        held = "an adapter trained with " + ", ".join(f"{name}={getattr(saved, name)!r}" for name in
+                                                      ("rank", "alpha", "target_modules")
+                                                      if getattr(saved, name) != getattr(given, name))
+    raise ValueError(f"restore: lora={given!r}, but the checkpoint holds {held}: the policy restored would not be "
+                     f"the one saved (another alpha rescales every trained delta, other target modules leave "
+                     f"trained adapters out). Leave lora= out to restore the saved adapter, or export() the model "
+                     f"and start a new run from it")
+
+
 def load(session, folder: Path, state: SessionState) -> None:
     """Put a checkpoint into `session`'s workers and controller. A model the checkpoint lacks: a reference
     starts from the model as loaded (which it is); a critic cannot (ValueError naming it)."""
@@ -50,6 +104,7 @@ def load(session, folder: Path, state: SessionState) -> None:
             handle.load_checkpoint(str(folder / name))
     if session.state.reward_kl is None or state.reward_kl is None:  # the algorithm decides whether there is a β
         state.reward_kl = session.state.reward_kl
+    state.run_name = session.state.run_name  # a branch goes on under its own name
     session.state = state
     for sink in session.sinks:
         sink.resume(state.history)
