@@ -102,6 +102,11 @@ def test_greedy_sampling_is_refused_for_a_group_estimator_whose_advantages_it_ma
     with pytest.raises(ValueError, match=r"temperature=0: the 4 samples of a prompt are the same greedy completion, so "
                                          r"algorithm 'grpo', which compares them .* trains nothing"):
         rl.Session(**SMALL | dict(temperature=0.0), log_dir=None)
+    # the same class of fault: top_k=1 samples the most likely token at any temperature
+    with pytest.raises(ValueError, match=r"top_k=1: the 4 samples of a prompt are the same greedy completion"):
+        rl.Session(**SMALL | dict(top_k=1), log_dir=None)
+    with rl.Session(**SMALL | dict(top_k=1, samples_per_prompt=1), log_dir=None, algorithm="reinforce_pp") as s:
+        assert s.step()["reward_mean"] >= 0  # no groups to compare: greedy samples still train
 
 
 def test_a_stage_refuses_another_sessions_batch_naming_both():

@@ -98,12 +98,13 @@ def check_algorithm(cfg: Config, algorithm: Algorithm) -> None:
         raise ValueError(f"samples_per_prompt=1: algorithm {algorithm.name!r} compares the samples of a prompt (its "
                          f"advantage declares group_ids), and one sample has none to compare with (GRPO would train "
                          f"on raw rewards): use samples_per_prompt >= 2, or an estimator without groups")
-    if cfg.temperature == 0 and cfg.samples_per_prompt > 1 and "group_ids" in algorithms.declared(
-            algorithm.advantage, {"group_ids": 0}):
-        raise ValueError(f"temperature=0: the {cfg.samples_per_prompt} samples of a prompt are the same greedy "
+    greedy = "temperature=0" if cfg.temperature == 0 else "top_k=1" if cfg.top_k == 1 else None
+    if greedy and cfg.samples_per_prompt > 1 and "group_ids" in algorithms.declared(algorithm.advantage,
+                                                                                    {"group_ids": 0}):
+        raise ValueError(f"{greedy}: the {cfg.samples_per_prompt} samples of a prompt are the same greedy "
                          f"completion, so algorithm {algorithm.name!r}, which compares them (its advantage declares "
                          f"group_ids), gives every one an advantage of 0 and trains nothing: sample with temperature > 0 "
-                         f"(evaluate() is greedy on its own)")
+                         f"and top_k 0 or above 1 (evaluate() is greedy on its own)")
     if algorithm.filter_groups and cfg.samples_per_prompt < cfg.world_size:
         raise ValueError(f"dynamic sampling may keep a single group of samples_per_prompt={cfg.samples_per_prompt} "
                          f"rows, fewer than world_size={cfg.world_size} ranks: raise samples_per_prompt")
