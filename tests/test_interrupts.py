@@ -1,11 +1,16 @@
-"""Ctrl-C during run(): the step in progress finishes and is recorded, so the bookkeeping always agrees.
+"""Ctrl-C during run(), a step, a save or an update: what is in progress finishes first, so the bookkeeping always
+agrees and every checkpoint is whole.
 
 Real signals into a real subprocess: 50 SIGINTs at random times, then the invariants (steps recorded = optimizer
 steps = log lines, data position, sampler weights = policy weights) and a save / restore that continues bit for
-bit; and a double Ctrl-C that stops at once and makes the session refuse to go on.
+bit; and a double Ctrl-C that stops at once and makes the session refuse to go on. The same for saves (50 SIGINTs,
+then every checkpoint whole and the newest restoring the weights it was saved with) and for an update called by
+hand (its gradients never leak into the next one). And, in this process, how guarded blocks nest (an update inside a
+step, a save inside either).
 """
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -14,6 +19,8 @@ import textwrap
 import time
 
 import pytest
+
+from rlbench import interrupts
 
 pytestmark = pytest.mark.slow
 
@@ -56,24 +63,25 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def start(tmp_path, overlap: bool) -> subprocess.Popen:
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "runs"), str(tmp_path / "done"),
-                              "1" if overlap else "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=tmp_path)
-    return child
+def start(tmp_path, code: str, *args: str) -> subprocess.Popen:
+    """Run `code` in a new Python process (in `tmp_path`, with `args` as its sys.argv[1:])."""
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path)
 
 
-def wait_for(child: subprocess.Popen, line: str) -> None:
-    """Read the child's lines up to `line` (its steps print "step")."""
+def wait_for(child: subprocess.Popen, line: str) -> list[str]:
+    """Read the child's lines up to `line` (its steps print "step"); return those before it."""
+    before = []
     while (got := child.stdout.readline()) and got.strip() != line:
-        pass
+        before.append(got.strip())
     assert got, f"the child ended before printing {line!r}: {child.stderr.read()[-3000:]}"
+    return before
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_fifty_interrupts_leave_the_bookkeeping_whole(tmp_path, overlap):
     times = random.Random(0)
-    child = start(tmp_path, overlap)
+    child = start(tmp_path, CHILD, str(tmp_path / "runs"), str(tmp_path / "done"), "1" if overlap else "0")
     try:
         for i in range(50):  # each signal once the last one was handled and a step has run since: one Ctrl-C each
             wait_for(child, "interrupted" if i else "ready")
@@ -131,5 +139,231 @@ def test_a_second_interrupt_within_a_second_stops_at_once_and_the_session_refuse
     assert "aborted: interrupted twice during step 0" in out, err[-2000:]
     assert "refused: interrupted twice" in out and "Session.restore" in out
     assert "save refused: save: interrupted twice during step 0" in out
-    assert not (tmp_path / "checkpoints").exists()
+    assert not list((tmp_path / "checkpoints").glob("*step-*"))  # (the folder holds the open session's .lock)
     assert "finishing step 0 before stopping" in err
+
+
+SAVER = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    import torch
+    import rlbench as rl
+    from rlbench.runs import checkpoints
+
+    root, done = Path(sys.argv[1]), sys.argv[2]
+    s = rl.Session(model="tiny-arith", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, cluster="inline",
+                   seed=0, threads=1, log_dir=None, save_dir=str(root), keep_last=2)
+    weights = {}  # the policy's weights after each of the last steps: what their checkpoints must restore
+    said = []
+    print("ready", flush=True)
+    while True:  # a notebook's cell, run again after each Ctrl-C
+        try:
+            while True:
+                s.step()
+                weights = {k: v for k, v in weights.items() if k > s.step_count - 3}
+                weights[s.step_count] = {k: v.clone() for k, v in s.policy.state_dict().items()}
+                s.save()
+                print("saved", flush=True)
+        except KeyboardInterrupt as error:
+            said.append(str(error))
+            if os.path.exists(done):
+                break
+            print("interrupted", flush=True)
+    folders = checkpoints.step_dirs(root)
+    facts = dict(said=said, folders=[f.name for f in folders], damage=[checkpoints.damage(f) for f in folders],
+                 leftovers=sorted(p.name for p in root.glob(".step-*")))  # a partial folder
+    s.close()  # (its checkpoint folder is its own while it is open)
+    with rl.Session.restore(root) as again:
+        restored, saved = again.policy.state_dict(), weights.get(again.step_count, {})
+        facts["restored_step"] = again.step_count
+        facts["restores_its_weights"] = restored.keys() == saved.keys() and all(
+            torch.equal(restored[k], saved[k]) for k in restored)
+        again.step()
+    print(json.dumps(facts), flush=True)
+""")
+
+
+def test_fifty_interrupts_during_saves_leave_every_checkpoint_whole(tmp_path):
+    """The attack: a Ctrl-C inside torch's zip writer aborted the whole process (`terminate called after throwing an
+    instance of 'pybind11::error_already_set'`, exit 134: a notebook's kernel dies), or was reported as a full disk."""
+    times = random.Random(0)
+    root = tmp_path / "checkpoints"
+    child = start(tmp_path, SAVER, str(root), str(tmp_path / "done"))
+    try:
+        for i in range(50):  # as above: one Ctrl-C at a time, anywhere in a step and its save
+            wait_for(child, "interrupted" if i else "ready")
+            wait_for(child, "saved")
+            time.sleep(times.uniform(0.0, 0.3))
+            if i == 49:
+                (tmp_path / "done").touch()
+            child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=300)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err[-3000:]
+    facts = json.loads(out.strip().splitlines()[-1])
+    assert len(facts["said"]) == 50
+    during_saves = [m for m in facts["said"] if m.startswith("interrupted: the save of step")]
+    assert len(during_saves) >= 10, facts["said"]  # the signals did land in saves
+    assert all(m.endswith("finished first") for m in during_saves)
+    assert len(facts["folders"]) == 2 and facts["damage"] == [None, None] and facts["leftovers"] == []
+    assert facts["restored_step"] == int(facts["folders"][-1].removeprefix("step-"))
+    assert facts["restores_its_weights"]
+
+
+def test_a_double_interrupt_during_a_save_lets_it_finish(tmp_path):
+    """A save is never stopped midway (that would cut a file torch is writing): both Ctrl-Cs wait for it."""
+    code = textwrap.dedent("""
+        import sys, time
+        import rlbench as rl
+        from rlbench.runs import checkpoints
+        s = rl.Session(model="tiny-arith", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, cluster="inline",
+                       log_dir=None, threads=1, save_dir=sys.argv[1])
+        s.step()
+        write = s.state.save
+        s.state.save = lambda path: (time.sleep(2), write(path))[1]  # a save slow enough to be interrupted twice
+        print("ready", flush=True)
+        try:
+            s.save()
+        except KeyboardInterrupt as error:
+            print("interrupted:", error, flush=True)
+        print("damage:", checkpoints.damage(checkpoints.step_dirs(sys.argv[1])[-1]), flush=True)
+        s.step()
+        print("went on", flush=True)
+    """)
+    child = start(tmp_path, code, str(tmp_path / "checkpoints"))
+    try:
+        wait_for(child, "ready")
+        time.sleep(1.0)
+        child.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err[-3000:]
+    assert "interrupted: interrupted: the save of step 1 finished first" in out
+    assert "damage: None" in out and "went on" in out
+    assert "finishing the save of step 1 before stopping" in err
+
+
+def test_an_interrupt_during_run_still_writes_the_checkpoint_due_after_the_step(tmp_path):
+    """The attack: with save_every, a Ctrl-C during the step before a save stopped after the step, and its checkpoint
+    was never written."""
+    code = textwrap.dedent("""
+        import sys, time
+        import rlbench as rl
+        from rlbench.runs import checkpoints
+        s = rl.Session(model="tiny-arith", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, cluster="inline",
+                       log_dir=None, threads=1, save_dir=sys.argv[1], save_every=1)
+        slow_score = s.score
+        s.score = lambda batch: (time.sleep(2), slow_score(batch))[1]
+        print("ready", flush=True)
+        try:
+            s.run(3, progress=False)
+        except KeyboardInterrupt as error:
+            print("interrupted:", error, flush=True)
+        print("steps:", s.step_count, [f.name for f in checkpoints.step_dirs(sys.argv[1])], flush=True)
+    """)
+    child = start(tmp_path, code, str(tmp_path / "checkpoints"))
+    try:
+        wait_for(child, "ready")
+        time.sleep(1.0)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err[-3000:]
+    assert "interrupted: interrupted: step 0 and its checkpoint finished first" in out
+    assert "steps: 1 ['step-000001']" in out
+
+
+UPDATER = textwrap.dedent("""
+    import json, sys
+    import torch
+    import rlbench as rl
+
+    # 128 rows of one sequence per micro-batch: an update long enough (~1 s) to be interrupted midway
+    settings = dict(model="tiny-arith", prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, cluster="inline",
+                    seed=0, threads=1, log_dir=None, micro_batch_tokens=16, save_dir=sys.argv[1])
+    s, twin = rl.Session(**settings), rl.Session(**settings | {"save_dir": None})
+    batch = s.advantage(s.collect())
+    print("updating", flush=True)
+    try:
+        s.update(batch)
+    except KeyboardInterrupt as error:
+        print("interrupted:", error, flush=True)
+    twin.update(batch)  # the same update, not interrupted
+    ours, theirs = s.update(batch), twin.update(batch)  # the attack: a cut update left its gradients to this one
+    weights, twin_weights = s.policy.state_dict(), twin.policy.state_dict()
+    print(json.dumps(dict(grad_norms=[ours["grad_norm"], theirs["grad_norm"]],
+                          same_weights=all(torch.equal(weights[k], twin_weights[k]) for k in weights))), flush=True)
+    print("updating", flush=True)
+    try:
+        s.update(batch)
+    except rl.interrupts.StepAborted as error:
+        print("aborted:", error, flush=True)
+    for stage in (lambda: s.update(batch), s.step, s.save):
+        try:
+            stage()
+        except RuntimeError as error:
+            print("refused:", error, flush=True)
+""")
+
+
+def test_an_interrupt_during_an_update_lets_it_finish_and_a_second_one_stops_it_for_good(tmp_path):
+    """`s.update(batch)` in a cell: the attack was a Ctrl-C between micro-batches, which left their gradients in
+    `.grad` for the next update to add to its own (another grad norm, other weights, no warning)."""
+    child = start(tmp_path, UPDATER, str(tmp_path / "checkpoints"))
+    try:
+        wait_for(child, "updating")
+        time.sleep(0.3)
+        child.send_signal(signal.SIGINT)
+        first = wait_for(child, "updating")
+        time.sleep(0.2)
+        child.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err[-3000:]
+    assert first[0] == "interrupted: interrupted: the update finished first", first
+    facts = json.loads(first[1])
+    ours, theirs = facts["grad_norms"]
+    assert ours == theirs and facts["same_weights"]  # exactly: the same computation on the same numbers
+    assert "aborted: interrupted twice during the update" in out
+    refusals = [line for line in out.splitlines() if line.startswith("refused:")]
+    assert [r.split(":")[1].strip() for r in refusals] == ["update", "interrupted twice during the update",
+                                                          "save"]
+    assert not list((tmp_path / "checkpoints").glob("*step-*"))  # no checkpoint, whole or partial
+
+
+def ctrl_c() -> None:
+    """A SIGINT to this process, handled (as a Ctrl-C is) before the next line runs."""
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.01)
+
+
+def test_a_block_inside_another_holds_its_ctrl_c_for_the_outer_one_and_only_says_whether_it_may_stop():
+    """step() calls update() inside its own block: a Ctrl-C during the update must not stop the step after the update
+    (before its weights reach the sampler and it is recorded), but once, at the end of the step."""
+    done, handler = [], signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt, match="^interrupted: step 3 finished first$"):
+        with interrupts.finishes_first("step 3"):
+            with interrupts.finishes_first("the update"):
+                ctrl_c()
+                done.append("update")
+            done.append("recorded")
+    assert done == ["update", "recorded"]
+    # a save inside a step (a callback's) is never stopped midway; around it, the step may be
+    with pytest.raises(interrupts.StepAborted, match="interrupted twice during step 4"):
+        with interrupts.finishes_first("step 4"):
+            with interrupts.finishes_first("the save of step 4", abortable=False):
+                ctrl_c()
+                ctrl_c()
+                done.append("saved")
+            ctrl_c()
+            done.append("not reached")
+    assert done[2:] == ["saved"]
+    assert signal.getsignal(signal.SIGINT) is handler

@@ -200,7 +200,11 @@ class Session:
     def update(self, batch: Batch, *, sync: bool = True) -> dict[str, float]:
         """Optimizer step(s) over the batch (and the critic's, if any), then push the new weights to the
         sampler (unless `sync=False`); returns the metrics averaged over optimizer steps. A batch with fewer
-        than `world_size x mini_batches_per_step` rows (dynamic sampling kept few groups) takes fewer steps."""
+        than `world_size x mini_batches_per_step` rows (dynamic sampling kept few groups) takes fewer steps.
+        Ctrl-C finishes the update, then stops; twice within a second stops it at once, and the session then refuses
+        to go on (update, step, save), as after a step stopped midway: see `rl.interrupts`."""
+        if self._aborted is not None:  # (a stopped update may have left gradients that the next one would add to)
+            raise RuntimeError(f"update: {self._aborted}")
         self._check_origin(batch, "update")
         cfg = self.config
         # dynamic sampling may keep fewer rows than planned: then fewer mini-batches, each with a row per rank
@@ -208,24 +212,25 @@ class Session:
         if minis == 0:
             raise ValueError(f"update: the batch has {len(batch)} rows, fewer than world_size={cfg.world_size} (every "
                              f"rank needs a row)")
-        self.sampler.before_update()  # (vLLM with vllm_sleep frees the GPU it shares with the policy)
-        with self._timed("update"):
-            steps = []
-            for epoch in range(cfg.epochs_per_step):
-                order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
-                    mix(cfg.seed, self.state.step_count, epoch))) if cfg.epochs_per_step > 1 else torch.arange(len(batch))
-                for mini in batch[order].chunk(minis):
-                    stats = self.policy.train_step(mini)  # forward_backward | optim_step, one call
-                    steps.append(stats | (self.critic.train_mini_batch(mini) if self.critic is not None else {}))
-            metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} | {
-                "skipped": sum(s["skipped"] for s in steps)}
-        if "reward_kl" in batch.meta:
-            self.state.reward_kl.update(batch.meta["reward_kl"], len(batch))
-        self.state.policy_version += 1
-        self.state.sampler_synced = False
-        if sync:
-            self.sync_weights()
-        return metrics
+        with self._finishing("the update"):  # (inside step(): part of the step's)
+            self.sampler.before_update()  # (vLLM with vllm_sleep frees the GPU it shares with the policy)
+            with self._timed("update"):
+                steps = []
+                for epoch in range(cfg.epochs_per_step):
+                    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
+                        mix(cfg.seed, self.state.step_count, epoch))) if cfg.epochs_per_step > 1 else torch.arange(len(batch))
+                    for mini in batch[order].chunk(minis):
+                        stats = self.policy.train_step(mini)  # forward_backward | optim_step, one call
+                        steps.append(stats | (self.critic.train_mini_batch(mini) if self.critic is not None else {}))
+                metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} | {
+                    "skipped": sum(s["skipped"] for s in steps)}
+            if "reward_kl" in batch.meta:
+                self.state.reward_kl.update(batch.meta["reward_kl"], len(batch))
+            self.state.policy_version += 1
+            self.state.sampler_synced = False
+            if sync:
+                self.sync_weights()
+            return metrics
 
     def keep_informative_groups(self, batch: Batch) -> Batch:
         """DAPO's dynamic sampling: drop prompt groups whose rewards all equal, and roll out more prompts
@@ -260,9 +265,15 @@ class Session:
         Ctrl-C finishes and records the step, then stops (twice within a second: at once, see `rl.interrupts`)."""
         if self._aborted is not None:
             raise RuntimeError(self._aborted)
+        with self._finishing(f"step {self.state.step_count}"):
+            return self._step()
+
+    @contextmanager
+    def _finishing(self, what: str, *, abortable: bool = True):
+        """`interrupts.finishes_first(what)`; stopped midway (a double Ctrl-C), the session refuses to go on."""
         try:
-            with interrupts.step_finishes_first(f"step {self.state.step_count}"):
-                return self._step()
+            with interrupts.finishes_first(what, abortable=abortable):
+                yield
         except interrupts.StepAborted as error:
             self._aborted = str(error)
             raise
@@ -310,7 +321,8 @@ class Session:
         `retries`: when a worker dies (a Ray actor killed, a node lost), restart the workers, restore the
         latest checkpoint of `save_dir` and go on, at most this many times (a checkpoint is saved before
         the first step if there is none). `request_stop()` (e.g. the dashboard's stop button, or a
-        callback) ends it after the current step.
+        callback) ends it after the current step. Ctrl-C ends it after the current step and the checkpoint due
+        after it (twice within a second during the step: at once, see `rl.interrupts`).
         """
         self._stop_requested, self._running = False, True
         try:
@@ -326,8 +338,13 @@ class Session:
             self.save()
         bar = progress_bar(total=steps, desc=self.run_name, unit="step", disable=not progress)
         while self.state.step_count < target and not self._stop_requested:
-            try:
-                row = self.step()
+            due = self.config.save_every and (self.state.step_count + 1) % self.config.save_every == 0
+            try:  # Ctrl-C: the checkpoint due after the step is written before stopping too
+                with interrupts.finishes_first(f"step {self.state.step_count}{' and its checkpoint' if due else ''}",
+                                               abortable=False):  # (a double Ctrl-C still stops the step at once)
+                    row = self.step()
+                    if due:
+                        self.save()
             except WorkerDied as error:
                 if retries <= 0:
                     raise
@@ -339,8 +356,6 @@ class Session:
                 continue
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
-            if self.config.save_every and self.state.step_count % self.config.save_every == 0:
-                self.save()
         bar.close()
         return self.metrics
 
@@ -358,13 +373,16 @@ class Session:
         groups and the prompts of those in flight (rl.Async), the
         `SessionState` (data position, counters, metrics so far) and the configuration.
         Atomic: a crash mid-save leaves the earlier checkpoints whole. Keeps the newest `keep_last`
-        (default: the config's; 0 = all). Refused after a step stopped midway (a double Ctrl-C): what it would write
-        is not a state the run was ever in.
+        (default: the config's; 0 = all). Ctrl-C (once or more) lets the save finish, then stops: a save is never
+        stopped midway, which would cut a file being written. Refused after a step or update stopped midway (a
+        double Ctrl-C): what it would write is not a state the run was ever in.
         """
         if self._aborted is not None:  # its weights and bookkeeping may disagree: never over a good checkpoint
             raise RuntimeError(f"save: {self._aborted}")
         keep_last = self.config.keep_last if keep_last is None else keep_last
-        return resume.save(self, Path(path or self._save_dir()).resolve(), keep_last)
+        root = Path(path or self._save_dir()).resolve()
+        with interrupts.finishes_first(f"the save of step {self.state.step_count}", abortable=False):
+            return resume.save(self, root, keep_last)
 
     @classmethod
     def restore(cls, path: str | os.PathLike, **overrides) -> Session:
