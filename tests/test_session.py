@@ -252,3 +252,30 @@ def test_an_overlap_batch_says_its_old_logp_is_the_sampler_s(tiny_dir):
     assert batch.meta["old_logp_is_sampler"] and torch.equal(batch["old_logp"], batch["sampler_logp"])
     stats = s.update(batch)
     assert {"sampler_mismatch_mean", "sampler_kl"} <= stats.keys()  # every mini-batch's forward measured it
+
+
+def test_an_update_that_failed_midway_leaves_no_gradient_for_the_next(tiny_dir):
+    # the attack: an error in the loss (a user's algorithm, an out-of-memory) stopped an update between micro-batches
+    # and left their gradients in .grad: the next update added them to its own, with no warning
+    settings = SMALL | dict(model=tiny_dir, micro_batch_tokens=16, log_dir=None)
+    with rl.Session(**settings) as broken, rl.Session(**settings) as twin:
+        batch, twin_batch = broken.advantage(broken.score(broken.rollout())), twin.advantage(twin.score(twin.rollout()))
+        spread = torch.linspace(-1, 1, batch["advantages"].numel()).view_as(batch["advantages"])  # every token counts
+        batch, twin_batch = batch.with_columns(advantages=spread), twin_batch.with_columns(advantages=spread)
+        policy = broken.policy.workers.hosts[0].objects["policy"]
+        real_loss, calls = policy._micro_loss, []
+
+        def fails_on_the_third_micro_batch(*args, **kwargs):  # (a stand-in for a loss that raises)
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("the loss failed")
+            return real_loss(*args, **kwargs)
+
+        policy._micro_loss = fails_on_the_third_micro_batch
+        with pytest.raises(RuntimeError, match="the loss failed"):
+            broken.update(batch)
+        del policy._micro_loss
+        assert any(p.grad is not None for p in policy.model.parameters())  # what the failed update left
+        assert broken.update(batch)["grad_norm"] == twin.update(twin_batch)["grad_norm"]
+        after, expected = broken.policy.state_dict(), twin.policy.state_dict()
+        assert all(torch.equal(after[k], expected[k]) for k in expected)

@@ -129,7 +129,9 @@ class Policy:
 
     def train_step(self, batch: Batch, algorithm: alg.Algorithm, **counts) -> tuple[dict[str, float], dict[str, float]]:
         """`forward_backward` then `optim_step` (one call for a driver that has one mini-batch to step on):
-        (the loss terms, the step's metrics)."""
+        (the loss terms, the step's metrics). It starts from no gradient: what a call stopped midway (an error, a
+        Ctrl-C) left is never added to this step's."""
+        self.optimizer.zero_grad()
         return self.forward_backward(batch, algorithm, **counts), self.optim_step()
 
     def _micro_loss(self, micro: Batch, algorithm: alg.Algorithm, **counts) -> dict[str, torch.Tensor]:
