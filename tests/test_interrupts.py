@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,21 +79,27 @@ def wait_for(child: subprocess.Popen, line: str) -> list[str]:
     return before
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_fifty_interrupts_leave_the_bookkeeping_whole(tmp_path, overlap):
+def fifty_interrupts(child: subprocess.Popen, done: Path, *, after: str) -> tuple[str, str]:
+    """Send the child 50 SIGINTs, each once it handled the last one and printed `after` since (one Ctrl-C at a time),
+    at a random moment up to 0.3 s later; the 50th after touching `done`. Its (stdout, stderr) once it ends."""
     times = random.Random(0)
-    child = start(tmp_path, CHILD, str(tmp_path / "runs"), str(tmp_path / "done"), "1" if overlap else "0")
     try:
-        for i in range(50):  # each signal once the last one was handled and a step has run since: one Ctrl-C each
+        for i in range(50):
             wait_for(child, "interrupted" if i else "ready")
-            wait_for(child, "step")
-            time.sleep(times.uniform(0.0, 0.3))  # anywhere in a step, or between two
+            wait_for(child, after)
+            time.sleep(times.uniform(0.0, 0.3))
             if i == 49:
-                (tmp_path / "done").touch()
+                done.touch()
             child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=300)
+        return child.communicate(timeout=300)
     finally:
         child.kill()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_fifty_interrupts_leave_the_bookkeeping_whole(tmp_path, overlap):
+    child = start(tmp_path, CHILD, str(tmp_path / "runs"), str(tmp_path / "done"), "1" if overlap else "0")
+    out, err = fifty_interrupts(child, tmp_path / "done", after="step")
     assert child.returncode == 0, err[-3000:]
     facts = json.loads(out.strip().splitlines()[-1])
     steps = facts["steps"]
@@ -186,20 +193,8 @@ SAVER = textwrap.dedent("""
 def test_fifty_interrupts_during_saves_leave_every_checkpoint_whole(tmp_path):
     """The attack: a Ctrl-C inside torch's zip writer aborted the whole process (`terminate called after throwing an
     instance of 'pybind11::error_already_set'`, exit 134: a notebook's kernel dies), or was reported as a full disk."""
-    times = random.Random(0)
-    root = tmp_path / "checkpoints"
-    child = start(tmp_path, SAVER, str(root), str(tmp_path / "done"))
-    try:
-        for i in range(50):  # as above: one Ctrl-C at a time, anywhere in a step and its save
-            wait_for(child, "interrupted" if i else "ready")
-            wait_for(child, "saved")
-            time.sleep(times.uniform(0.0, 0.3))
-            if i == 49:
-                (tmp_path / "done").touch()
-            child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=300)
-    finally:
-        child.kill()
+    child = start(tmp_path, SAVER, str(tmp_path / "checkpoints"), str(tmp_path / "done"))
+    out, err = fifty_interrupts(child, tmp_path / "done", after="saved")  # anywhere in a step and its save
     assert child.returncode == 0, err[-3000:]
     facts = json.loads(out.strip().splitlines()[-1])
     assert len(facts["said"]) == 50
