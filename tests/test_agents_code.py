@@ -44,6 +44,15 @@ def test_an_exception_returns_the_output_and_the_traceback_of_the_program_only(p
     assert python(code="import sys; sys.exit(3)") == "error: the program exited with code 3"
 
 
+def test_a_program_that_does_not_compile_returns_the_error_as_text(python):
+    # the attack: a syntax error, a NUL byte or a lone surrogate made the tool raise SandboxError
+    assert python(code="print(1") == ('Traceback (most recent call last):\n  File "main.py", line 1\n    print(1\n'
+                                      "         ^\nSyntaxError: '(' was never closed")
+    assert python(code="print(1)\x00").endswith("\nSyntaxError: source code string cannot contain null bytes")
+    assert python(code="print('\ud800')") == ("SyntaxError: the program is not UTF-8 text: surrogates not allowed at "
+                                               "character 7")
+
+
 def test_each_call_is_a_fresh_process(python):
     assert python(code="x = 1").startswith("(the program printed nothing")
     assert python(code="print(x)").endswith("NameError: name 'x' is not defined")

@@ -7,6 +7,7 @@ around the audit hook would: what stops them there is the kernel.
 """
 
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -485,3 +486,22 @@ def test_code_reward_with_hostile_programs_through_the_runner():
     for processes in (False, True):
         scores = score_all(reward, programs, [example] * 4, workers=2, timeout_s=30, processes=processes)
         assert scores.score == [0.0, 0.0, 1.0, 0.0] and scores.error == [None] * 4
+
+
+TYPOS = {"a syntax error": ("def add(a, b)\n    return a + b", r"SyntaxError: (expected ':'|invalid syntax)"),
+         "a NUL byte": ("def add(a, b):\n    return a + b\x00", r"SyntaxError: source code (string )?cannot contain null bytes"),
+         "a lone surrogate": ("def add(a, b):\n    return a + b  # \ud800", r"SyntaxError: the program is not UTF-8 text: "
+                                                                        r"surrogates not allowed at character \d+")}
+
+
+@pytest.mark.parametrize("mode", sandbox_info()["available"])
+def test_a_program_that_cannot_be_compiled_is_its_own_failure_never_the_sandboxs(mode):
+    # the attack: each raised SandboxError ("the sandbox could not start" / "the sandbox's init failed"), which the
+    # reward runner turned into a RewardError that stopped training under the default on_error="raise"
+    for program, reason in TYPOS.values():
+        run = run_python(program, check="assert add(2, 3) == 5", limits=FAST, mode=mode, tripwire=mode == "rlimits")
+        assert run.status == "error" and re.search(reason, run.reason), run.reason
+    reward = lambda c, e: code_reward(c, e, limits=FAST)  # noqa: E731
+    programs = [program for program, _ in TYPOS.values()] + ["def add(a, b):\n    return a + b"]
+    scores = score_all(reward, programs, [ADD_ASSERTS] * 4, workers=2, timeout_s=30)  # on_error="raise"
+    assert scores.score == [0.0, 0.0, 0.0, 1.0] and scores.error == [None] * 4

@@ -383,7 +383,7 @@ def audit_hook(work: str, readable: tuple):
 
 # ------------------------------------------------------------------------------------------------- a run
 def prepare():
-    """Everything before the program, in the process that will run it: (main.py's code, the check's, token)."""
+    """Everything before the program, in the process that will run it: (main.py's source, the check's code, token)."""
     spec_fd, status_fd = int(sys.argv[1]), int(sys.argv[2])
     with os.fdopen(spec_fd, "rb", closefd=False) as f:
         spec = marshal.load(f)
@@ -403,8 +403,8 @@ def prepare():
         os.environ.clear()
         os.environ.update({"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"})
         os.umask(0o077)
-        with open("main.py") as f:
-            code = compile(f.read(), "main.py", "exec")
+        with open("main.py", "rb") as f:  # compiled by main(): a syntax error is the program's, not the sandbox's
+            source = f.read()
         check = compile(spec["check"], "<tests>", "exec") if spec["check"] is not None else None
     except BaseException as e:
         if not status.closed:
@@ -422,7 +422,7 @@ def prepare():
     if spec["tripwire"]:
         sys.addaudithook(audit_hook(os.path.realpath(work), readable))
     sys.argv = ["main.py"]
-    return code, check, spec["token"]
+    return source, check, spec["token"]
 
 
 def main():
@@ -433,9 +433,9 @@ def main():
     The token is a local of this frame, so a program that walks the stack (sys._getframe) can read and print
     it: the token defeats early exits, which policies find, not a program written to attack this harness
     (whose reward is then a lie about its own tests, while the kernel's isolation still holds)."""
-    code, check, token = prepare()
+    source, check, token = prepare()
     namespace = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
-    exec(code, namespace)
+    exec(compile(source, "main.py", "exec"), namespace)
     if check is not None:
         exec(check, namespace)
         sys.stdout.write("\n" + token + "\n")

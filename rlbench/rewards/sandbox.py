@@ -115,7 +115,7 @@ class Limits:
 class Run:
     status: str
     """"ok" (exit 0, and the check token when there was check code), "early_exit" (exit 0 without the token),
-    "error" (non-zero exit), "timeout" (wall clock), "cpu_time", "memory", "output_limit", "blocked" (the
+    "error" (non-zero exit, or a program that does not compile: a syntax error, a NUL byte, text that is not UTF-8), "timeout" (wall clock), "cpu_time", "memory", "output_limit", "blocked" (the
     audit hook stopped it), or "killed" (another signal)."""
     returncode: int | None
     """The program's exit code, or minus the signal that ended it (-9 after the wall clock)."""
@@ -252,6 +252,11 @@ def _run(mode: str, code: str, stdin: str, files: dict[str, str], limits: Limits
     for name in files:
         if not name or name in (".", "..", "main.py") or "/" in name or "\0" in name:
             raise ValueError(f"file name {name!r} is not allowed in the sandbox: use a plain name (not main.py)")
+    try:
+        code.encode()
+    except UnicodeEncodeError as e:  # (a lone surrogate): no file can hold it, and it is the program's fault
+        return Run("error", None, "", f"SyntaxError: the program is not UTF-8 text: {e.reason} at character {e.start}",
+                   0.0, {"mode": mode})
     token = secrets.token_hex(16) if check is not None else None
     # "bwrap" as root too: bubblewrap's RLIMIT_NPROC does not hold for root, the cgroup's pids.max does
     cgroup = _cgroup_bases()[1] if mode == "namespaces" or (mode == "bwrap" and os.geteuid() == 0) else None
