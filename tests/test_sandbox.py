@@ -19,7 +19,7 @@ import pytest
 
 import rlbench
 from rlbench.rewards import Limits, SandboxError, code_reward, extract_code, run_python, sandbox_info, score_all
-from rlbench.rewards import sandbox
+from rlbench.rewards import code, sandbox
 
 PROJECT_FILE = Path(rlbench.__file__).resolve().parents[1] / "pyproject.toml"
 FAST = Limits(cpu_s=2, wall_s=4.0, memory_mb=256, output_bytes=1 << 20)
@@ -505,3 +505,51 @@ def test_a_program_that_cannot_be_compiled_is_its_own_failure_never_the_sandboxs
     programs = [program for program, _ in TYPOS.values()] + ["def add(a, b):\n    return a + b"]
     scores = score_all(reward, programs, [ADD_ASSERTS] * 4, workers=2, timeout_s=30)  # on_error="raise"
     assert scores.score == [0.0, 0.0, 0.0, 1.0] and scores.error == [None] * 4
+
+
+FORGERIES = {  # wrong solutions of add(a, b) that try to pass its tests without computing a + b
+    "exec replaced": "import builtins\nbuiltins.exec = lambda *a, **k: None\ndef add(a, b):\n    return a - b",
+    "harness globals shadowed": "import sys\nsys._getframe(1).f_globals['exec'] = lambda *a, **k: None\n"
+                                "def add(a, b):\n    return a - b",
+    "frames walked for the token": "import os, sys\nframe = sys._getframe()\nwhile frame:\n"
+                                   "    if 'token' in frame.f_locals:\n"
+                                   "        print('\\n' + frame.f_locals['token'], flush=True); os._exit(0)\n"
+                                   "    frame = frame.f_back\ndef add(a, b):\n    return 0",
+    "an excepthook that reads the traceback's frames": "import os, sys\ndef hook(kind, error, tb):\n    while tb:\n"
+                                                       "        if 'token' in tb.tb_frame.f_locals:\n"
+                                                       "            print('\\n' + tb.tb_frame.f_locals['token'], "
+                                                       "flush=True); os._exit(0)\n        tb = tb.tb_next\n"
+                                                       "sys.excepthook = hook\ndef add(a, b):\n    return a - b",
+    "__eq__ always true": "class Anything:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
+                          "def add(a, b):\n    return Anything()",
+    "an int whose __eq__ is always true": "class Sly(int):\n    def __eq__(self, other):\n        return True\n"
+                                          "def add(a, b):\n    return Sly(0)",
+}
+
+
+@pytest.mark.parametrize("mode", sandbox_info()["available"])
+def test_no_wrong_program_forges_a_pass_of_call_tests(mode):
+    # the attack: each of these scored 1.0 through code_reward: the asserts and the token lived in the program's
+    # own interpreter (exec replaced, the check never ran and the token was printed; __eq__ passed every assert)
+    tests = {"assert": "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert 4 == add(2, 2)"}
+    for name, program in FORGERIES.items():
+        results = code.run_tests(program, tests, limits=FAST, mode=mode)
+        assert [r.passed for r in results] == [False] * 3, (name, results)
+    right = code.run_tests("def add(a, b):\n    return a + b", tests, limits=FAST, mode=mode)
+    assert [r.passed for r in right] == [True] * 3
+
+
+def test_call_tests_keep_python_equality_on_the_hosts_own_values():
+    calls, others = code.split_asserts("assert f(1) == (1, 2)\nassert 'x' == g()\nassert h() in (1, 2)\n"
+                                       "assert f(2) == [1, {'a': b'z'}]\nassert abs(k() - 1.5) < 1e-6")
+    assert calls == [("f(1)", (1, 2)), ("g()", "x"), ("f(2)", [1, {"a": b"z"}])]
+    assert others == ["assert h() in (1, 2)", "assert abs(k() - 1.5) < 1e-06"]
+    program = ("def f(n):\n    return [1, 2] if n == 1 else [1, {'a': b'z'}]\ndef g():\n    return 'x'\n"
+               "def h():\n    return 2\ndef j():\n    return {1: {2}, 3: 4.0 + 1j}")
+    tests = {"assert": "assert f(1) == (1, 2)\nassert g() == 'x'\nassert f(2) == [1, {'a': b'z'}]\nassert h() in (1, 2)\n"
+                       "assert j() == {1: {2}, 3: 4 + 1j}\nassert f(1) == [1, 2.0]\nassert g() == 'y'"}
+    results = code.run_tests(program, tests, limits=FAST)
+    # the call tests first, then the weaker kind ("in": run after the program in a fresh sandbox); a list is not a
+    # tuple (as in Python), 2 == 2.0, bytes, sets and complex numbers round-trip
+    assert [r.passed for r in results] == [False, True, True, True, True, False, True]
+    assert results[0].why == "wrong answer: f(1) gave [1, 2]" and results[5].why == "wrong answer: g() gave x"

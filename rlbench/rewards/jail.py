@@ -430,15 +430,18 @@ def main():
     exits early (sys.exit, os._exit, a signal) never prints it. Exceptions reach the interpreter's own
     handler, which prints the traceback and exits 1.
 
-    The token is a local of this frame, so a program that walks the stack (sys._getframe) can read and print
-    it: the token defeats early exits, which policies find, not a program written to attack this harness
-    (whose reward is then a lie about its own tests, while the kernel's isolation still holds)."""
+    The check runs through this frame's own `exec` (a program that replaces builtins.exec or the module's globals
+    does not skip it). The token is a local of this frame, so a program that walks the stack (sys._getframe, a
+    traceback's frames) can read and print it: the token defeats early exits, which policies find, not a program
+    written to attack this harness. `code_reward` therefore sends call tests' inputs only and compares their values
+    on the host; only assertions of other forms rely on the token."""
     source, check, token = prepare()
+    run, write = exec, sys.stdout.write  # the program may replace builtins.exec or sys.stdout: not for the check
     namespace = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
-    exec(compile(source, "main.py", "exec"), namespace)
+    run(compile(source, "main.py", "exec"), namespace)
     if check is not None:
-        exec(check, namespace)
-        sys.stdout.write("\n" + token + "\n")
+        run(check, namespace)
+        write("\n" + token + "\n")
 
 
 if __name__ == "__main__":
