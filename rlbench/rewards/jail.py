@@ -47,18 +47,21 @@ DENIED = ("ptrace mount umount2 pivot_root chroot unshare setns keyctl add_key r
           "process_vm_readv process_vm_writev userfaultfd open_by_handle_at name_to_handle_at acct quotactl "
           "settimeofday clock_settime clock_adjtime adjtimex syslog kcmp fanotify_init lookup_dcookie personality "
           "vhangup sethostname setdomainname pidfd_getfd io_uring_setup io_uring_enter io_uring_register "
-          "open_tree move_mount fsopen fsconfig fsmount fspick mount_setattr iopl ioperm uselib nfsservctl").split()
+          "open_tree move_mount fsopen fsconfig fsmount fspick mount_setattr iopl ioperm uselib nfsservctl "
+          "io_setup io_submit").split()  # (the kernel's asynchronous I/O contexts are counted host-wide: aio-nr)
+SOCKETS = ("socket", "socketpair")
+"""Allowed for AF_UNIX only (inside the run's own namespaces); every other family fails with EAFNOSUPPORT."""
 SYSCALLS = {  # machine -> (AUDIT_ARCH_*, {name: number}); names missing on an architecture do not exist there
     "x86_64": (0xC000003E, dict(zip(
-        DENIED + ["clone", "clone3"],
+        DENIED + ["clone", "clone3", *SOCKETS],
         [101, 165, 166, 155, 161, 272, 308, 250, 248, 249, 321, 298, 246, 320, 175, 313, 176, 169, 167, 168, 310,
          311, 323, 304, 303, 163, 179, 164, 227, 305, 159, 103, 312, 300, 212, 135, 153, 170, 171, 438, 425, 426,
-         427, 428, 429, 430, 431, 432, 433, 442, 172, 173, 134, 180, 56, 435]))),
+         427, 428, 429, 430, 431, 432, 433, 442, 172, 173, 134, 180, 206, 209, 56, 435, 41, 53]))),
     "aarch64": (0xC00000B7, dict(zip(
-        [n for n in DENIED if n not in ("iopl", "ioperm", "uselib")] + ["clone", "clone3"],
+        [n for n in DENIED if n not in ("iopl", "ioperm", "uselib")] + ["clone", "clone3", *SOCKETS],
         [117, 40, 39, 41, 51, 97, 268, 219, 217, 218, 280, 241, 104, 294, 105, 273, 106, 142, 224, 225, 270, 271,
          282, 265, 264, 89, 60, 170, 112, 266, 171, 116, 272, 262, 18, 92, 58, 161, 162, 438, 425, 426, 427, 428,
-         429, 430, 431, 432, 433, 442, 42, 220, 435]))),
+         429, 430, 431, 432, 433, 442, 42, 0, 2, 220, 435, 198, 199]))),
 }
 NEW_NAMESPACES = (CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
                   | CLONE_NEWCGROUP | CLONE_NEWTIME)
@@ -87,9 +90,10 @@ def prctl(option: int, arg: int, pointer=None) -> None:
 
 def seccomp_filter(machine: str) -> bytes:
     """A classic-BPF program: other ABIs are killed; DENIED syscalls and clone() with a namespace flag fail with
-    EPERM; clone3 fails with ENOSYS (its flags sit behind a pointer, so libc falls back to clone); the rest run."""
+    EPERM; clone3 fails with ENOSYS (its flags sit behind a pointer, so libc falls back to clone); a socket of
+    another family than AF_UNIX fails with EAFNOSUPPORT; the rest run."""
     audit_arch, numbers = SYSCALLS[machine]
-    EPERM, ENOSYS = 1, 38
+    EPERM, ENOSYS, EAFNOSUPPORT, AF_UNIX = 1, 38, 97, 1
     ALLOW, ERRNO, KILL = 0x7FFF0000, 0x00050000, 0x80000000
 
     def load(offset):
@@ -107,6 +111,9 @@ def seccomp_filter(machine: str) -> bytes:
     for name in DENIED:
         if name in numbers:
             program += [jump(0x15, numbers[name], 0, 1), ret(ERRNO | EPERM)]
+    for name in SOCKETS:  # the family is the low 32 bits of the first argument
+        program += [jump(0x15, numbers[name], 0, 4), load(16), jump(0x15, AF_UNIX, 0, 1), ret(ALLOW),
+                    ret(ERRNO | EAFNOSUPPORT)]
     program += [jump(0x15, numbers["clone3"], 0, 1), ret(ERRNO | ENOSYS),
                 jump(0x15, numbers["clone"], 0, 3), load(16),  # the low 32 bits of clone's first argument, flags
                 jump(0x45, NEW_NAMESPACES, 0, 1), ret(ERRNO | EPERM), ret(ALLOW)]
