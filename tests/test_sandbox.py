@@ -93,36 +93,12 @@ def test_the_weaker_mode_warns_once_naming_what_is_missing(monkeypatch):
 def test_the_weaker_mode_still_applies_its_limits():
     """The "rlimits" path (what a non-root user gets) on this machine: limits, tripwire, early exits."""
     run = sandbox._run("rlimits", "import os\nprint(os.getcwd())", "", {}, FAST, None)
-    uid = run.isolation["uid"]  # as root: a uid of its own (`test_the_weaker_mode_never_runs_a_program_as_root`)
-    assert run.ok and run.isolation == {"mode": "rlimits", "audit_hook": True, "cgroup": False, "uid": uid,
+    assert run.ok and run.isolation == {"mode": "rlimits", "audit_hook": True, "cgroup": False, "uid": os.geteuid(),
                                         "network_namespace": run.isolation["network_namespace"]}
-    assert uid == os.geteuid() or (os.geteuid() == 0 and uid >= sandbox.UID_BASE)
     assert "rlbench-sandbox-" in run.stdout and not Path(run.stdout.strip()).exists()  # removed afterwards
     assert sandbox._run("rlimits", "import os; os.system('ls')", "", {}, FAST, None).status == "blocked"
     assert sandbox._run("rlimits", "import time; time.sleep(60)", "", {}, Limits(wall_s=1.0), None).status == "timeout"
     assert sandbox._run("rlimits", "import os; os._exit(0)", "", {}, FAST, "assert False").status == "early_exit"
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="as another user, the rlimits mode runs programs as that user")
-def test_the_weaker_mode_never_runs_a_program_as_root(tmp_path):
-    # the attack: as root, the rlimits mode ran the program as uid 0: past the tripwire it read root-only files,
-    # signalled the trainer and wrote root-owned files. os.stat is no audit event: what the kernel lets it see
-    secret = tmp_path / "secret"
-    secret.write_text("root only")
-    code = f"""
-import os
-try:
-    found = oct(os.stat({str(secret)!r}).st_mode)
-except OSError as e:
-    found = type(e).__name__
-open('mine.txt', 'w').write('its own directory is writable')
-print((os.getuid(), os.getgid(), os.getgroups(), found, open('mine.txt').read()))
-"""
-    run = run_python(code, mode="rlimits", limits=FAST)
-    assert run.ok, run.reason
-    uid, gid, groups, found, mine = eval(run.stdout)  # noqa: S307 - our own test program's repr
-    assert uid == gid == run.isolation["uid"] >= sandbox.UID_BASE and groups == []
-    assert found == "PermissionError" and mine == "its own directory is writable"  # (pytest's tmp folders are 0700)
 
 
 def test_the_weaker_mode_removes_1100_nested_directories():

@@ -328,22 +328,12 @@ def become_bwrap(spec: dict, spec_fd: int, argv: list[str]) -> None:
 
 
 def weak_isolation(spec: dict, status) -> None:
-    """The program in this process: rlimits, and a network namespace where the kernel allows one; as this user, or
-    when that is root, as a uid of its own (owning only its directory), as in the kernel's modes."""
-    root = os.geteuid() == 0
-    network = hasattr(_libc, "unshare") and _libc.unshare(CLONE_NEWNET if root else CLONE_NEWNET | CLONE_NEWUSER) == 0
-    uid = spec["uid_base"] + os.getpid() if root else os.geteuid()
-    if root:
-        for folder, _, names in os.walk(spec["work"]):
-            for path in [folder, *(os.path.join(folder, name) for name in names)]:
-                os.chown(path, uid, uid)
-    status.write(repr({"network_namespace": network, "uid": uid}) + "\n")
+    """The program in this process, as this user: rlimits, and a network namespace where the kernel allows one."""
+    flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWNET | CLONE_NEWUSER
+    network = hasattr(_libc, "unshare") and _libc.unshare(flags) == 0  # (Linux only)
+    status.write(repr({"network_namespace": network, "uid": os.geteuid()}) + "\n")
     status.flush()
     set_rlimits(spec["limits"])
-    if root:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
     os.chdir(spec["work"])
 
 

@@ -33,9 +33,9 @@ program and reports its exit status. Memory is limited per process only (no cgro
 a run's processes in its own user namespace. (Forced as root, `mode="bwrap"` runs in a cgroup too: the
 kernel does not apply RLIMIT_NPROC to root.)
 
-"rlimits" (neither): the program runs as the caller's user (as root, never: as a uid of its own that owns only
-its directory) in a throwaway directory with the rlimits above and a network namespace where an unprivileged user
-may make one; the first run warns, naming what is missing. Run as root (in a container: with CAP_SYS_ADMIN) or install bubblewrap for a real boundary.
+"rlimits" (neither): the program runs as the caller's user in a throwaway directory with the rlimits above
+and a network namespace where an unprivileged user may make one; the first run warns, naming what is
+missing. Run as root (in a container: with CAP_SYS_ADMIN) or install bubblewrap for a real boundary.
 
 In every mode an audit hook is an extra tripwire (unless `tripwire=False`, kernel modes only): sockets,
 processes, signals, ctypes, gc introspection and files outside the program's directory end the run as
@@ -235,8 +235,7 @@ _GUARANTEES = {
         "rlimits per process (CPU, address space, file size, open files, no core)",
         "a network namespace where the kernel lets this user make one",
         "the wall clock, enforced by the parent on the run's process group; an audit hook as a tripwire "
-        "(NOT a boundary: the program runs as this user, or as root a uid of its own, and can read what that "
-        "user can)",
+        "(NOT a boundary: the program runs as this user and can read what this user can)",
     ],
     "cgroup": "a cgroup per run: pids.max, memory (memory_mb + disk_mb, its tmpfs included), one CPU",
 }
