@@ -38,7 +38,7 @@ demo: venv
 # Each test runs with one torch thread (tests/conftest.py); a worker takes a whole file at a time, so a file's
 # module fixtures (a Ray instance, built models, a kernel) are made once. TEST_WORKERS=0 runs in one process.
 test: venv vllm
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 # JupyterLab refuses to start as root unless told to: as root (a container), --allow-root is added
 lab: venv

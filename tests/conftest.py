@@ -58,13 +58,10 @@ def _run_in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-LONGEST_FIRST = ["test_ray.py", "test_notebooks.py", "test_cli.py", "test_ray_faults.py", "test_agents.py",
-                 "test_tiny_tools.py", "test_interrupts.py", "test_sweeps.py", "test_zoo_training.py", "test_handles.py",
-                 "test_vllm.py", "test_benchmarks_scaling.py", "test_long_responses.py", "test_distill.py",
-                 "test_browser.py"]
+LONGEST_FIRST = ["test_ray.py", "test_notebooks.py", "test_cli.py", "test_interrupts.py", "test_zoo_training.py",
+                 "test_agents.py", "test_tiny_tools.py", "test_vllm.py", "test_benchmarks_scaling.py"]
 """The files that take longest (`--durations` of a whole run): run first, so that under pytest-xdist (`make test`
-runs two workers, a file per worker at a time, in this order: `--no-loadscope-reorder`) no long file starts last
-while the other worker idles."""
+runs two workers, a file per worker at a time) no long file starts last while the other worker idles."""
 
 
 def pytest_collection_modifyitems(items):

@@ -1,13 +1,18 @@
-"""Sessions on Ray: FSDP2 over 2 ranks matches inline; weight-sync checks; extra workers (reference, critic, teacher,
-rollout workers); no processes left behind. Real Ray (a private local instance), real gloo. Faults and joining a
-cluster by address: `test_ray_faults.py`."""
+"""Sessions on Ray: FSDP2 over 2 ranks matches inline; joining a cluster by address; weight-sync checks;
+extra workers; no processes left behind. Real Ray (a private local instance), real gloo."""
 
+import json
 import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
 import torch
-from floats import assert_close
+from floats import assert_close, assert_same
 
 import rlbench as rl
 from rlbench.workers.cluster import Ray, acquire_ray, release_ray
@@ -123,6 +128,90 @@ def test_a_teacher_on_two_ranks_matches_inline(tiny_dir, placement):
                      atol=1e-4, msg=column)  # 1e-4: 2 ranks reduce in another order
 
 
+JOIN = """
+import json, sys, rlbench as rl
+with rl.Session(model="tiny-arith", cluster=rl.Ray(address=sys.argv[1]), prompts_per_step=4, samples_per_prompt=4,
+                max_new_tokens=8, log_dir=None) as s:
+    row = s.step()
+print(json.dumps({"reward_mean": row["reward_mean"], "loss": row["loss"]}))
+"""
+
+
+def test_join_a_cluster_by_address(tiny_dir):
+    # loopback only (Ray otherwise maps 127.0.0.1 to the machine's address), with its own token
+    env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+                        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    port = 6400 + os.getpid() % 500
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    temp_dir = tempfile.mkdtemp(prefix="rlray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             f"--temp-dir={temp_dir}", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out = subprocess.run([sys.executable, "-c", JOIN, f"127.0.0.1:{port}"], env=env, capture_output=True,
+                             text=True, timeout=400)
+        assert out.returncode == 0, out.stderr[-3000:]
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        assert 0.0 <= row["reward_mean"] <= 1.0
+    finally:
+        os.killpg(head.pid, 15)  # only the processes this test started
+        head.wait(timeout=60)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_killed_rank_is_restored_from_the_last_checkpoint_and_without_retries_it_is_named(tiny_dir, tmp_path):
+    import ray
+
+    small = CONFIG | dict(prompts_per_step=4, samples_per_prompt=4)
+    with rl.Session(**small, cluster="ray", world_size=2) as whole:
+        expected = whole.run(4, progress=False)
+        expected_weights = whole.policy.state_dict()
+
+    killed = []
+
+    def kill_rank_1_once(session, row):
+        if row["step"] == 2 and not killed:  # step 3 has finished; the last checkpoint is step 2's
+            killed.append(session.policy.workers.pids()[1])
+            ray.kill(session.policy.workers.hosts[1], no_restart=True)
+
+    s = rl.Session(**small, cluster="ray", world_size=2, save_every=2, save_dir=str(tmp_path))
+    s.callbacks.append(kill_rank_1_once)
+    with pytest.warns(UserWarning, match=r"worker 'policy' rank 1 died during .* \(at step 3, stage .*restored "
+                                         r".*step-000002 and going on \(0 retries left\)"):
+        metrics = s.run(4, progress=False, retries=1)
+    assert killed and killed[0] not in s.policy.workers.pids()  # the workers were started afresh
+    assert metrics["step"].tolist() == [0, 1, 2, 3]
+    for column in ["loss", "reward_mean", "grad_norm", "entropy", "kl_loss"]:  # the restart changed nothing
+        assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
+                     atol=1e-5, msg=column)  # 1e-5: a restart, the same 2 ranks
+    weights = s.policy.state_dict()
+
+    # with no retries left (a step outside run(retries=...)), the dead worker is named and the work done stays
+    ray.kill(s.policy.workers.hosts[1], no_restart=True)
+    with pytest.raises(rl.workers.cluster.WorkerDied, match=r"worker 'policy' rank 1 died during .* \(at step 4, stage"):
+        s.step()
+    assert len(s.metrics) == 4
+    s.close()
+    for name, value in expected_weights.items():
+        assert_close(weights[name], value, atol=1e-5, msg=name)  # 1e-5: a restart, the same 2 ranks
+
+    # the two-rank checkpoint loads into one inline rank (torch.distributed.checkpoint reshards it)
+    with rl.Session.restore(tmp_path, cluster="inline", world_size=1, threads=1) as inline:
+        assert inline.step_count == 4
+        for name, value in inline.policy.state_dict().items():
+            assert_same(value, weights[name], msg=name)  # bit for bit: a checkpoint round trip, resharded
+
+
+def test_a_world_size_the_cluster_cannot_hold_is_named(tiny_dir):
+    import ray
+
+    cpus = ray.cluster_resources()["CPU"]
+    with pytest.raises(ValueError, match=rf"world_size=16 \(placement='colocated': 18 worker processes at "
+                                         rf"cpus_per_worker=1\) needs 18 CPUs but the Ray cluster has {cpus:g}"):
+        rl.Session(**CONFIG, cluster="ray", world_size=16)
+
+
 def test_dynamic_sampling_that_keeps_one_group_still_updates_on_two_ranks(tiny_dir):
     """DAPO, world_size=2, mini_batches_per_step=8, and one kept group of 4 rows: 2 mini-batches of a row per
     rank, not 'cannot split 1 rows across 2 ranks' mid-run."""
@@ -145,6 +234,103 @@ def test_async_rollout_workers_on_ray_train_every_group_once_within_the_bound(ti
         metrics = s.metrics
     assert tickets == list(range(20))  # in order, none lost, none twice
     assert (metrics["staleness_max"] <= 1).all() and metrics["staleness_max"].max() == 1
+
+
+def test_a_rollout_worker_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_dir):
+    """Its process is killed by its id while it samples: a new worker takes its place with the newest weights, its
+    groups are sampled again under their own tickets, and training goes on in ticket order."""
+    small = CONFIG | dict(prompts_per_step=8, samples_per_prompt=8, max_new_tokens=12, temperature=1.5)
+    with rl.Session(**small, cluster="ray", rollout_mode="async", max_staleness=1) as s:
+        tickets, killed = [], None
+        for step in range(5):
+            s.step()
+            tickets += s.last_batch["ticket"][::8].tolist()
+            if step == 1:  # the push after this update lets the worker start the next tickets: catch it sampling
+                deadline = time.time() + 10
+                while not s.source.rollouts._flight and time.time() < deadline:
+                    time.sleep(0.001)
+                assert s.source.rollouts._flight, "the worker never started a rollout"
+                killed = s.workers.rollout[0].workers.pids()[0]
+                os.kill(killed, 9)
+        metrics = s.metrics
+        new = s.workers.rollout[0].workers.pids()[0]
+    assert new != killed and metrics["restarts"].sum() == 1
+    assert tickets == list(range(40))
+    assert (metrics["staleness_max"] <= 1).all()
+
+
+def test_a_call_while_a_killed_rollout_worker_is_replaced_waits_and_runs_on_the_new_one(tiny_dir):
+    """`s.sampler` is rollout worker 0's handle. Its worker is killed while it samples; while its feeder starts a new
+    one (the dead one's group already ended), `s.evaluate()` waits for it and runs on it, with the newest weights,
+    instead of failing as if the session were closed. A closed session's handle still refuses at once."""
+    small = CONFIG | dict(prompts_per_step=8, samples_per_prompt=8, max_new_tokens=12, temperature=1.5)
+    with rl.Session(**small, cluster="ray", rollout=rl.Async(max_staleness=1, workers=2)) as s:
+        s.step()  # its push lets the workers start the next tickets: catch worker 0 sampling
+        deadline = time.time() + 10
+        while not s.source.rollouts._flight.get(0) and time.time() < deadline:
+            time.sleep(0.001)
+        dead = s.sampler.workers
+        killed = dead.pids()[0]
+        os.kill(killed, 9)
+        while dead.hosts and time.time() < deadline:  # the replacement has begun: the dead worker's group is ended
+            time.sleep(0.001)
+        assert not dead.hosts, "the feeder never replaced the killed worker"
+        result = s.evaluate(max_prompts=4)
+        assert set(result) == {"greedy_accuracy", "greedy_reward", "sampled_accuracy", "sampled_reward"}
+        assert s.sampler.workers.pids()[0] != killed
+        assert s.sampler.workers.call("sampler", lambda rollouts: rollouts.version) == [s.state.policy_version]
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"the 'rollout-0' workers are closed \(the session was closed\)"):
+        s.evaluate(max_prompts=4)
+    assert time.perf_counter() - start < 1
+
+
+def test_calls_waiting_for_a_new_rollout_worker_that_cannot_start_fail_with_its_reason():
+    """An inline worker whose sampler raises WorkerDied stands for a dead one; its replacement fails. The call that
+    found it dead gets the replacement's error; a call that waited for the replacement, and any later call, fail
+    with it as the reason, and none waits forever."""
+    import threading
+
+    from rlbench.workers import SamplerHandle
+    from rlbench.workers.cluster import WorkerDied, WorkerGroup
+
+    class Dead:
+        def generate(self, prompt_ids, params):
+            raise WorkerDied("worker 'rollout-0' rank 0 died during generate: killed")
+
+    group = WorkerGroup("rollout-0", 1, ray=False, threads=None)
+    group.build("sampler", Dead, [{}])
+    started, release = threading.Event(), threading.Event()
+
+    def restart(dead):
+        started.set()
+        release.wait(10)
+        raise ValueError("no CPU left for a new worker")
+
+    handle = SamplerHandle(group, None, "Dead", "a test's dead sampler", restart=restart)
+    params = rl.samplers.SamplingParams(n=1, max_new_tokens=2)
+    errors = {}
+
+    def call(name, fn):
+        try:
+            fn()
+        except BaseException as error:
+            errors[name] = error
+
+    finder = threading.Thread(target=call, args=("finder", lambda: handle.generate_ids([[1, 2]], params)))
+    finder.start()
+    assert started.wait(10)
+    waiter = threading.Thread(target=call, args=("waiter", handle.state_dict))
+    waiter.start()
+    time.sleep(0.2)  # the waiter waits for the new worker
+    release.set()
+    for thread in (finder, waiter):
+        thread.join(10)
+        assert not thread.is_alive()
+    assert isinstance(errors["finder"], ValueError)
+    for error in (errors["waiter"], pytest.raises(RuntimeError, handle.generate_ids, [[1]], params).value):
+        assert isinstance(error, RuntimeError) and str(error) == ("the 'rollout-0' worker died and no new one could be "
+                                                                  "started: no CPU left for a new worker")
 
 
 def test_lora_with_activation_checkpointing_on_two_ranks_matches_inline(tiny_dir, tmp_path):
