@@ -60,8 +60,9 @@ def _run_in_tmp(tmp_path, monkeypatch):
 
 LONGEST_FIRST = ["test_ray.py", "test_notebooks.py", "test_cli.py", "test_interrupts.py", "test_zoo_training.py",
                  "test_agents.py", "test_tiny_tools.py", "test_vllm.py", "test_benchmarks_scaling.py"]
-"""The files that take longest (`--durations` of a whole run): run first, so that under pytest-xdist (`make test`
-runs two workers, a file per worker at a time) no long file starts last while the other worker idles."""
+"""The files that take longest (`--durations` of a whole run), collected first. Under `make test` pytest-xdist then
+hands out files by their number of tests (its loadscope reorder, which keeps this order only among files with as many
+tests); turning the reorder off to follow this list started two Ray clusters at once and timed out joining one."""
 
 
 def pytest_collection_modifyitems(items):
