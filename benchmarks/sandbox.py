@@ -4,12 +4,14 @@
 Prints one JSON line per mode that works here (`rl.rewards.sandbox_info()["available"]`, or `--mode`): runs/s
 sequential and concurrent, and the median seconds of one run. Code rewards run thousands of programs per step,
 so this is the sandbox's cost. Measured (2-core shared CPU, root, 100 runs; one at a time / 4 threads; two
-rounds, the old sandbox of 8a9c762 and this one in turns):
-  before: one process with rlimits, `nobody`, a network namespace, the audit hook   14.9-16.3 /s   35.6-38.5 /s
-  namespaces: PID/mount/net/IPC/UTS namespaces, uid, cgroup, seccomp (root)         11.6-12.4 /s   24.4 /s
-  bwrap forced as root (a jail process joins the cgroup, then becomes bubblewrap)    6.8-6.9 /s    14.9-15.0 /s
-  bwrap as a user (uid 65534, /usr/bin/python3, no cgroup), print(1) x 30           15.6 /s
-  rlimits (the weak fallback, not root)                                             17.5-19.1 /s   29.9-35.0 /s
+rounds in turns, the sandbox of d43898b and this one, on 2026-12-04):
+                                         d43898b: alone, 4 threads      this one: alone, 4 threads
+  namespaces (root)                      17.7-18.0 /s  34.0-38.6 /s     17.1-18.4 /s  46.3-50.3 /s
+  bwrap forced as root (in a cgroup)     10.2-11.0 /s  27.2-27.3 /s     17.6-18.3 /s  41.1-41.7 /s
+  rlimits as root                        31.8-32.2 /s  53.4-58.2 /s     refused here (see below)
+This one runs the launcher outside the run's cgroup, stdin/stdout/stderr in memfds and bubblewrap's child as the
+run's PID 1 (no jail process that becomes bubblewrap). As root, "rlimits" now runs the program as a uid of its
+own, and is refused where that uid cannot read the interpreter (here: it is under /root).
 Run: .venv/bin/python benchmarks/sandbox.py [--runs 100] [--concurrent 4] [--mode namespaces]
 """
 

@@ -6,10 +6,16 @@ pytest's header): as root, "namespaces". Most run with `tripwire=False`, i.e. as
 around the audit hook would: what stops them there is the kernel.
 """
 
+import concurrent.futures
+import dataclasses
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -75,39 +81,112 @@ def test_the_mode_and_its_guarantees_are_reported():
         assert run.isolation["uid"] >= sandbox.UID_BASE
 
 
-def test_the_weaker_mode_warns_once_naming_what_is_missing(monkeypatch):
-    weak = {"mode": "rlimits", "available": ["rlimits"], "missing": ["root (for the test)"], "guarantees": []}
+def test_a_weak_mode_is_never_chosen_silently_and_warns_what_it_lacks(monkeypatch):
+    weak = {"mode": "rlimits", "available": ["rlimits"], "missing": ["root (for the test)"], "why_not": {},
+            "guarantees": []}
     monkeypatch.setattr(sandbox, "sandbox_info", lambda: weak)
+    monkeypatch.delenv("RLBENCH_SANDBOX", raising=False)
+    # the attack: on a machine without kernel isolation the "rlimits" tripwire was chosen silently
+    with pytest.raises(SandboxError, match=r"no kernel isolation.*root \(for the test\).*sandbox='rlimits'"):
+        run_python("print(1)", limits=FAST)
+    monkeypatch.setattr(sandbox, "_run", lambda mode, *args: mode)  # (the run itself: see the rlimits tests below)
     sandbox._warn_weak.cache_clear()
-    with pytest.warns(UserWarning, match=r"weaker 'rlimits' mode.*root \(for the test\)"):
-        assert run_python("print(1)", limits=FAST).stdout == "1\n"
+    with pytest.warns(UserWarning, match=r"'rlimits' mode, which lacks: the kernel's isolation.*a cgroup per run"):
+        assert run_python("print(1)", mode="rlimits") == "rlimits"
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        run_python("print(2)", limits=FAST)
+        monkeypatch.setenv("RLBENCH_SANDBOX", "rlimits")  # how Session(sandbox="rlimits") tells its workers
+        assert run_python("print(2)") == "rlimits"
     assert seen == []  # once
     with pytest.raises(SandboxError, match=r"tripwire=False needs the kernel's isolation.*lacks: root"):
         run_python("pass", tripwire=False, limits=FAST)
+    monkeypatch.setenv("RLBENCH_SANDBOX", "bwrap")
+    with pytest.raises(SandboxError, match=r"'bwrap' \(from \$RLBENCH_SANDBOX\) is not available here"):
+        run_python("pass")
     sandbox._warn_weak.cache_clear()
 
 
-def test_the_weaker_mode_still_applies_its_limits():
-    """The "rlimits" path (what a non-root user gets) on this machine: limits, tripwire, early exits."""
-    run = sandbox._run("rlimits", "import os\nprint(os.getcwd())", "", {}, FAST, None)
-    assert run.ok and run.isolation == {"mode": "rlimits", "audit_hook": True, "cgroup": False, "uid": os.geteuid(),
-                                        "network_namespace": run.isolation["network_namespace"]}
-    assert "rlbench-sandbox-" in run.stdout and not Path(run.stdout.strip()).exists()  # removed afterwards
+def test_the_guarantees_each_mode_lacks_are_reported():
+    info = sandbox_info()
+    assert info["lacks"] == sandbox._lacks(info["mode"]) and set(info["why_not"]) | set(info["available"]) == {
+        "namespaces", "bwrap", "rlimits"}
+    if "bwrap" in info["available"]:
+        assert any(line.startswith("a uid per run") for line in sandbox._lacks("bwrap"))
+    lacks = sandbox._lacks("rlimits")
+    assert lacks[0].startswith("the kernel's isolation") and lacks[1].startswith("a cgroup per run")
+
+
+def test_with_no_working_mode_the_sandbox_says_so_at_start_up(monkeypatch):
+    monkeypatch.setattr(sandbox, "_interpreter", lambda: "/nonexistent/python3")
+    sandbox.sandbox_info.cache_clear()
+    try:
+        info = sandbox_info()
+        assert info["available"] == [] and info["mode"] is None
+        with pytest.raises(SandboxError, match=r"no sandbox mode works here.*/nonexistent/python3"):
+            run_python("print(1)")
+    finally:
+        sandbox.sandbox_info.cache_clear()
+
+
+# --- "rlimits" (no kernel isolation): as root the program runs as a uid of its own, or the mode is refused ----
+READABLE_PYTHON = "/usr/bin/python3.11"  # a system interpreter every uid can read (this project's lies under /root)
+as_root_with_a_readable_python = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access(READABLE_PYTHON, os.X_OK),
+    reason=f"needs root and {READABLE_PYTHON}: the uid drop of 'rlimits' mode as root")
+
+
+@pytest.fixture
+def readable_python(monkeypatch):
+    monkeypatch.setattr(sandbox, "_interpreter", lambda: READABLE_PYTHON)
+
+
+def test_rlimits_as_root_is_refused_when_no_other_uid_can_read_the_interpreter():
+    if os.geteuid() != 0:
+        pytest.skip("as root only")
+    unreadable = sandbox._unreadable_by_others()
+    if unreadable is None:
+        assert "rlimits" in sandbox_info()["available"]
+    else:
+        assert "rlimits" not in sandbox_info()["available"] and unreadable in sandbox_info()["why_not"]["rlimits"]
+        with pytest.raises(SandboxError, match=r"'rlimits' is not available here.*interpreter other users can read"):
+            run_python("print(1)", mode="rlimits")
+
+
+@as_root_with_a_readable_python
+def test_rlimits_as_root_runs_the_program_as_a_uid_of_its_own(readable_python, tmp_path):
+    # the attack: as uid 0 the program read root-only files past the tripwire (os.stat has no audit event), signalled
+    # the trainer and wrote root-owned files
+    secret = tmp_path / "root-only"
+    secret.mkdir(mode=0o700)
+    (secret / "key").write_text("root's")
+    code = f"""
+import os
+found = [os.getuid(), os.getgroups()]
+for attack in (lambda: os.stat({str(secret / "key")!r}), lambda: os.stat('/root/.bashrc')):
+    try:
+        found.append(attack().st_size)
+    except OSError as e:
+        found.append(type(e).__name__)
+print(found)
+"""
+    run = sandbox._run("rlimits", code, "", {}, FAST, None)
+    assert run.ok, run.reason
+    uid, groups, *attacks = eval(run.stdout)  # noqa: S307
+    assert uid == run.isolation["uid"] >= sandbox.UID_BASE and groups == []
+    assert attacks == ["PermissionError", "PermissionError"]
     assert sandbox._run("rlimits", "import os; os.system('ls')", "", {}, FAST, None).status == "blocked"
     assert sandbox._run("rlimits", "import time; time.sleep(60)", "", {}, Limits(wall_s=1.0), None).status == "timeout"
     assert sandbox._run("rlimits", "import os; os._exit(0)", "", {}, FAST, "assert False").status == "early_exit"
 
 
-def test_the_weaker_mode_removes_1100_nested_directories():
+@as_root_with_a_readable_python
+def test_rlimits_removes_1100_nested_directories(readable_python):
     """shutil.rmtree recurses per level and raises RecursionError past ~1000: cleanup neither raises nor leaves
     the directory behind."""
     code = "import os\nprint(os.getcwd())\nfor i in range(1100):\n    os.mkdir('d')\n    os.chdir('d')"
     run = sandbox._run("rlimits", code, "", {}, Limits(cpu_s=20, wall_s=30), None)
     assert run.ok, run.reason
-    assert not Path(run.stdout.strip()).exists()
+    assert "rlbench-sandbox-" in run.stdout and not Path(run.stdout.strip()).exists()
 
 
 # --- the tripwire: what a model reads when it reaches for a process, a socket or a file outside -----------
@@ -308,6 +387,15 @@ print((os.getuid(), sorted(set(hits)), os.listdir('.')))
 
 
 @each_kernel_mode
+def test_runs_from_many_threads_at_once_each_get_their_own_files(mode):
+    """A reward runner or an agent's tools call run_python from several threads: each run's pipes and memfds are
+    its own (a file number closed twice could be another thread's file by then, which failed its run)."""
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        runs = list(pool.map(lambda i: run_python(f"print({i} * {i})", mode=mode, limits=FAST), range(32)))
+    assert [(run.status, run.stdout) for run in runs] == [("ok", f"{i * i}\n") for i in range(32)]
+
+
+@each_kernel_mode
 def test_one_runs_threads_do_not_starve_another_run(mode):
     """Processes are limited per run (its own uid and cgroup), not shared: a run at its limit and a
     concurrent run that starts threads both behave."""
@@ -418,6 +506,166 @@ print(out)
     # the attack (io_setup used up the host-wide aio-nr, an AF_VSOCK socket bound and listened): every one -1, with
     # EPERM, or EAFNOSUPPORT for a socket family other than AF_UNIX
     assert out == {name: (-1, 97 if name.startswith("socket") else 1) for name in out}
+
+
+# --- what the host shares outside the namespaces: the supervisor, cgroups, uids, files, devices -------------
+CGROUP_MODES = [m for m in KERNEL_MODES if sandbox_info()["cgroup"] and (m == "namespaces" or os.geteuid() == 0)]
+each_cgroup_mode = pytest.mark.parametrize("mode", CGROUP_MODES or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no cgroup rlbench may divide here"))])
+
+
+def run_cgroups() -> list[str]:
+    bases = sandbox._cgroup_bases()[1] or {}
+    return [name for base in bases.values() for name in os.listdir(base) if name.startswith("rlbench-sandbox-")]
+
+
+@each_cgroup_mode
+def test_a_run_that_exhausts_its_memory_kills_its_own_processes_never_the_launcher(mode):
+    # the attack: seven forked children at memory_mb=64 made the kernel's OOM killer pick the launcher (the largest
+    # process in the run's cgroup): "killed" with no report, the cgroup left behind, and with pid reuse a later
+    # correct program failed with FileExistsError
+    code = """
+import os, time
+with open('fill', 'wb') as f:  # the run's tmpfs: memory of its cgroup that no process's RSS shows
+    f.write(b'x' * (40 << 20))
+for _ in range(7):
+    if os.fork() == 0:
+        block = b'x' * (12 << 20)
+        time.sleep(5)
+        os._exit(0)
+os.wait()
+"""
+    limits = Limits(memory_mb=64, disk_mb=64, output_bytes=64 << 20, wall_s=8, cpu_s=5)
+    run = run_python(code, mode=mode, limits=limits, tripwire=False)
+    assert run.status == "memory" and run.isolation["oom_kills"] >= 1, run
+    assert run_python("print(6 * 7)", mode=mode, limits=FAST).stdout == "42\n"
+    assert run_cgroups() == []
+
+
+@each_cgroup_mode
+def test_a_killed_launcher_leaves_no_cgroup_and_stale_ones_are_cleared(mode):
+    def kill_the_launcher():  # the parent's child: the jail outside the run ("namespaces") or bubblewrap
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            for pid in (jail_processes() if mode == "namespaces" else bwrap_processes()):
+                if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1] == str(os.getpid()):
+                    os.kill(pid, 9)
+                    return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_launcher)
+    killer.start()
+    run = run_python("import time\ntime.sleep(30)", mode=mode, limits=Limits(wall_s=20))
+    killer.join()
+    assert not run.ok and run.wall_s < 10 and run_cgroups() == []
+    # a parent that died mid-run leaves its cgroup: the next process's start clears it, unless it is alive (locked)
+    bases = sandbox._cgroup_bases()[1]
+    dead, alive = sandbox.Cgroup(bases, "rlbench-sandbox-1"), sandbox.Cgroup(bases, "rlbench-sandbox-2")
+    dead.create(dataclasses.asdict(FAST))
+    alive.create(dataclasses.asdict(FAST))
+    for lock in dead.locks:
+        os.close(lock)
+    dead.locks = []
+    time.sleep(1.1)
+    assert sorted(sandbox.Cgroup.remove_stale(bases, older_than_s=1.0)) == sorted(dead.dirs.values())
+    assert run_cgroups() == ["rlbench-sandbox-2"] * len(bases)
+    alive.remove()
+
+
+def bwrap_processes() -> list[int]:
+    return [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/comm") if _read(p) == "bwrap\n"]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+TRAINER = """
+import json, sys
+from rlbench.rewards import Limits, run_python
+code = "import os, threading, time\\nts = [threading.Thread(target=time.sleep, args=(0.3,)) for _ in range(6)]\\n" \\
+       "[t.start() for t in ts]; [t.join() for t in ts]; print(os.getuid())"
+runs = [run_python(code, limits=Limits(wall_s=10)) for _ in range(8)]
+print(json.dumps([[r.status, r.stdout.strip(), r.reason] for r in runs]))
+"""
+
+
+def test_two_trainers_in_their_own_pid_namespaces_never_share_a_uid():
+    # the attack: two trainers in their own PID namespaces both ran programs as uid 2000000005 (the base plus the
+    # launcher's pid): one's threads made the other's fail ("can't start new thread", RLIMIT_NPROC of that uid)
+    if MODE != "namespaces" or not shutil.which("unshare"):
+        pytest.skip("'namespaces' mode (root) and util-linux's unshare")
+    trainers = [subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", TRAINER],
+                                 stdout=subprocess.PIPE, text=True, cwd=PROJECT_FILE.parent) for _ in range(2)]
+    results = [json.loads(t.communicate(timeout=120)[0]) for t in trainers]
+    assert all(status == "ok" for result in results for status, _, _ in result), results
+    uids = [{uid for _, uid, _ in result} for result in results]
+    assert not uids[0] & uids[1] and min(map(int, uids[0] | uids[1])) >= sandbox.UID_BASE
+
+
+@each_kernel_mode
+def test_fallocate_on_stdout_takes_no_host_disk(mode):
+    # the attack: fallocate(1, FALLOC_FL_KEEP_SIZE, 0, 1.5 GB) on stdout (a file on the host's disk) grew the
+    # host's used disk by 1.5 GB despite RLIMIT_FSIZE; stdout and stderr are memfds now
+    code = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+out = []
+for fd in (1, 2, 0):
+    ctypes.set_errno(0)
+    out.append((libc.fallocate(fd, 1, ctypes.c_long(0), ctypes.c_long(1536 << 20)), ctypes.get_errno()))
+print(out, os.readlink('/proc/self/fd/1') if os.path.exists('/proc/self') else '')
+"""
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    run = run_python(code, mode=mode, limits=FAST, tripwire=False)
+    assert run.ok, run.reason
+    out, err, into = eval(run.stdout.split("]")[0] + "]")  # noqa: S307
+    assert out == err == (-1, 27) and into in ((-1, 27), (-1, 1))  # EFBIG (RLIMIT_FSIZE), stdin also sealed (EPERM)
+    assert shutil.disk_usage(tempfile.gettempdir()).free > free - (256 << 20)
+
+
+@each_kernel_mode
+def test_the_runs_devices_work_but_their_inodes_cannot_be_changed(mode):
+    # the attack: bwrap forced as root could chmod and utime the host's /dev/null, zero, random and urandom
+    code = """
+import os
+out = [open('/dev/null', 'w').write('x'), len(open('/dev/urandom', 'rb').read(4))]
+for name in ('null', 'zero', 'random', 'urandom'):
+    for attack in (lambda: os.chmod('/dev/' + name, 0o600), lambda: os.utime('/dev/' + name, (0, 0)),
+                   lambda: os.chown('/dev/' + name, 1000, 1000)):
+        try:
+            attack()
+            out.append('changed')
+        except OSError as e:
+            out.append(type(e).__name__)
+print(out)
+"""
+    before = [os.stat(f"/dev/{name}") for name in sandbox.DEVICES]
+    run = run_python(code, mode=mode, limits=FAST, tripwire=False)
+    assert run.ok, run.reason
+    out = eval(run.stdout)  # noqa: S307
+    assert out[:2] == [1, 4] and "changed" not in out[2:], out
+    after = [os.stat(f"/dev/{name}") for name in sandbox.DEVICES]
+    assert [(s.st_mode, s.st_uid, s.st_mtime_ns) for s in after] == [(s.st_mode, s.st_uid, s.st_mtime_ns) for s in before]
+
+
+def test_bubblewrap_is_reaped_after_every_run():
+    # the attack: every bwrap run left a <defunct> process for the host's init to reap
+    if "bwrap" not in sandbox_info()["available"]:
+        pytest.skip("no bubblewrap here")
+
+    def orphans():
+        return {pid for pid in bwrap_processes() if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"}
+
+    before = orphans()
+    runs = [run_python(code, mode="bwrap", limits=Limits(wall_s=1.0)) for code in ("print(1)", "import time\n"
+                                                                                   "time.sleep(60)", "print(2)")]
+    assert [r.status for r in runs] == ["ok", "timeout", "ok"]
+    time.sleep(0.5)
+    assert orphans() - before == set()
 
 
 # --- limits -----------------------------------------------------------------------------------------------

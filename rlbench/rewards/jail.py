@@ -2,28 +2,32 @@
 
 Standard library only (it runs isolated, without site-packages) and never imported by rlbench: it is a script.
 It reads the run's spec (a marshalled dict) from SPEC_FD, reports on STATUS_FD (lines, each a dict's repr), and
-runs the program with its stdin, stdout and stderr on fds 0-2, which the parent opened on unnamed files.
+runs the program with its stdin, stdout and stderr on fds 0-2, which the parent opened on memfds.
 
 In "namespaces" mode (root) three processes make a run:
 
-    launcher  host namespaces; joins the run's cgroup, unshares, forks the init, enforces the wall clock
-              (SIGKILL to the init), reports the cgroup's counters, removes the cgroup
+    launcher  host namespaces and the parent's cgroup (nothing the run can exhaust): unshares, forks the init,
+              enforces the wall clock (SIGKILL to the init), reports the cgroup's counters
     init      PID 1 of the run's PID namespace, root inside its own mount, network, IPC and UTS namespaces:
-              builds the run's root (a size-limited tmpfs, read-only binds of what Python needs, the
-              program's files), pivots into it, forks the program, reaps, reports the program's exit status.
-              When it exits the kernel kills every process left in the namespace.
+              joins the run's cgroup (which the parent made and removes), builds the run's root (a size-limited
+              tmpfs, read-only binds of what Python needs, read-only devices, the program's files), pivots into
+              it, forks the program, reaps, reports the program's exit status. When it exits the kernel kills
+              every process left in the namespace.
     program   drops to the run's own uid (one per concurrent run), rlimits, no_new_privs, a seccomp filter,
               the audit hook, then runs main.py, the check code and the check token.
 
 In "bwrap" mode (not root, bubblewrap installed) bubblewrap makes the namespaces (user, PID, mount, network, IPC,
 UTS), the tmpfs at /work, drops capabilities, sets no_new_privs and loads the seccomp filter built here; this
-script then writes the files, forks the program and reports its exit status.
+script is the run's PID 1 (held until the parent has put it in the run's cgroup, as root): it writes the files,
+forks the program, reaps and reports its exit status.
 
 In "rlimits" mode (neither) the launcher is the program: rlimits, a network namespace where the kernel lets
-an unprivileged user make one, the audit hook.
+an unprivileged user make one, the audit hook; as root, first the run's own uid, which owns only its directory.
 """
 
 import ctypes
+import errno
+import fcntl
 import marshal
 import os
 import resource
@@ -31,6 +35,7 @@ import select
 import signal
 import struct
 import sys
+import time
 
 # ------------------------------------------------------------------------------------------------ the kernel
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -71,8 +76,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 def _check(result: int, what: str) -> None:
     if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+        number = ctypes.get_errno()
+        raise OSError(number, f"{what}: {os.strerror(number)}")
 
 
 def _bytes(path):
@@ -133,30 +138,50 @@ def install_seccomp(machine: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- the cgroup
 class Cgroup:
-    """A run's cgroup, "rlbench-sandbox-<launcher pid>" under the parent's own: one directory per controller (v1)
-    or one directory (v2). Made by the launcher; removed by it ("namespaces") or by the parent ("bwrap")."""
+    """A run's cgroup, `name` (unique among the runs alive: "rlbench-sandbox-<the run's uid>") under the parent's
+    own: one directory per controller (v1) or one directory (v2). The parent makes it (`create`, holding a lock on
+    it for the run), the run's first process joins it (`join`: the launcher stays outside, so the run's processes
+    can exhaust nothing it needs), and the parent removes it (`remove`), also after a launcher that was killed;
+    `remove_stale` clears those of parents that died."""
 
-    def __init__(self, bases: dict, launcher: int):
-        self.dirs = {controller: os.path.join(base, f"rlbench-sandbox-{launcher}") for controller, base in bases.items()}
+    PREFIX = "rlbench-sandbox-"
+    STALE_S = 60.0
+    """A directory this old whose lock is free belongs to a parent that died (the lock is taken right after mkdir)."""
+
+    def __init__(self, bases: dict, name: str):
+        self.bases, self.name = bases, name
+        self.dirs = {controller: os.path.join(base, name) for controller, base in bases.items()}
+        self.locks = []
 
     def create(self, limits: dict) -> None:
-        """Make it with the run's limits (a whole run may hold memory_mb plus its tmpfs, and one CPU) and join it."""
-        memory, processes = str((limits["memory_mb"] + limits["disk_mb"]) << 20), str(limits["processes"] + 2)
+        """Make it with the run's limits (a whole run may hold memory_mb plus its tmpfs, and one CPU; v2: an OOM
+        kills the whole run); FileExistsError if a live run has the name."""
+        memory, processes = str((limits["memory_mb"] + limits["disk_mb"]) << 20), str(limits["processes"] + 1)  # (+ its init)
         values = {  # controller ("" for v2) -> (file, value)
-            "": [("pids.max", processes), ("memory.max", memory), ("memory.swap.max", "0"), ("cpu.max", "100000")],
+            "": [("pids.max", processes), ("memory.max", memory), ("memory.swap.max", "0"), ("cpu.max", "100000"),
+                 ("memory.oom.group", "1")],
             "pids": [("pids.max", processes)],
             "memory": [("memory.limit_in_bytes", memory)],
             "cpu": [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "100000")],
         }
-        for controller, path in self.dirs.items():
-            os.mkdir(path, 0o700)
-            for name, value in values[controller]:
-                if os.path.exists(os.path.join(path, name)):
-                    with open(os.path.join(path, name), "w") as f:
-                        f.write(value)
+        try:
+            for controller, path in self.dirs.items():
+                os.mkdir(path, 0o700)
+                self.locks.append(os.open(path, os.O_RDONLY | os.O_DIRECTORY))
+                fcntl.flock(self.locks[-1], fcntl.LOCK_EX)
+                for name, value in values[controller]:
+                    if os.path.exists(os.path.join(path, name)):
+                        with open(os.path.join(path, name), "w") as f:
+                            f.write(value)
+        except BaseException:
+            self.remove()
+            raise
+
+    def join(self, pid: int = 0) -> None:
+        """Move process `pid` (0: this one) into it; its children follow."""
         for path in self.dirs.values():
             with open(os.path.join(path, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
+                f.write(str(pid))
 
     def counters(self) -> dict:
         """How often the run met its memory and process limits."""
@@ -171,23 +196,56 @@ class Cgroup:
                                 out["oom_kills" if key == "oom_kill" else "pids_max_hits"] = int(value)
         return out
 
-    def remove(self) -> list[str]:
-        """Leave it (back to the parent's cgroup, where the caller came from) and remove it; what could not be."""
-        failed = []
+    def remove(self, wait_s: float = 5.0) -> list[str]:
+        """Remove it once its processes are gone (a killed run's may take a moment); what could not be removed."""
+        failed, deadline = [], time.monotonic() + wait_s
         for path in self.dirs.values():
-            try:
-                with open(os.path.join(os.path.dirname(path), "cgroup.procs"), "w") as f:
-                    f.write(str(os.getpid()))
-                os.rmdir(path)
-            except OSError as e:
-                failed.append(f"{path}: {e}")
+            while True:
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                        failed.append(f"{path}: {e}")
+                        break
+                    time.sleep(0.01)
+        for lock in self.locks:
+            os.close(lock)
+        self.locks = []
         return failed
+
+    @classmethod
+    def remove_stale(cls, bases: dict, older_than_s: float = STALE_S) -> list[str]:
+        """Remove the cgroups whose parent died (their lock is free, made over `older_than_s` ago); their paths."""
+        removed = []
+        for base in bases.values():
+            for name in os.listdir(base):
+                path = os.path.join(base, name)
+                if not name.startswith(cls.PREFIX) or not os.path.isdir(path):
+                    continue
+                try:
+                    lock = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+                except OSError:
+                    continue
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if time.time() - os.fstat(lock).st_ctime > older_than_s:
+                        os.rmdir(path)
+                        removed.append(path)
+                except OSError:
+                    pass  # held (a live run) or not empty (a dead parent's run still ending)
+                finally:
+                    os.close(lock)
+        return removed
 
 
 # ----------------------------------------------------------------------------------------- the run's world
 def build_root(spec: dict) -> None:
     """In the init's own mount namespace: a tmpfs as the new root with read-only binds of what Python needs,
-    /dev/{null,zero,random,urandom}, /work (the program's, on the tmpfs) holding its files; then pivot into it."""
+    /dev/{null,zero,random,urandom} (read-only mounts: writing to a device works, changing its inode does not),
+    /work (the program's, on the tmpfs) holding its files; then pivot into it."""
     limits, uid = spec["limits"], spec["uid"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the host's mounts
     # mounted over only inside this namespace: a directory no bound path lies under (a Python under /tmp stays)
@@ -213,20 +271,36 @@ def build_root(spec: dict) -> None:
     for device in ("null", "zero", "random", "urandom"):
         open(f"{root}/dev/{device}", "w").close()
         mount(f"/dev/{device}", f"{root}/dev/{device}", None, MS_BIND)
-        mount(None, f"{root}/dev/{device}", None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NOEXEC)
+        mount(None, f"{root}/dev/{device}", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
     work = root + "/work"
     os.mkdir(work, 0o700)
     os.chown(work, uid, uid)  # a fresh tmpfs only this process has seen: nothing can race it
-    for name, text in spec["files"].items():
-        with open(os.open(f"{work}/{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as f:
-            f.write(text)
-            os.fchown(f.fileno(), uid, uid)
+    write_files(work, spec["files"], uid)
     os.chdir(root)
     _check(_libc.syscall(155 if spec["machine"] == "x86_64" else 41, b".", b"."), "pivot_root")
     _check(_libc.umount2(b".", MNT_DETACH), "umount the old root")
     os.chdir("/")
     name = b"sandbox"
     _check(_libc.sethostname(name, len(name)), "sethostname")
+
+
+def write_files(work: str, files: dict, uid: int | None = None) -> None:
+    """The program's files into its fresh directory; files that do not fit its disk are the program's failure."""
+    for name, text in files.items():
+        try:
+            with open(os.open(f"{work}/{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as f:
+                f.write(text)
+                if uid is not None:
+                    os.fchown(f.fileno(), uid, uid)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise ProgramError(f"the program's files do not fit its disk (disk_mb, disk_inodes): {name}: "
+                               f"{e.strerror}") from None
+
+
+class ProgramError(Exception):
+    """Why the program cannot run that is the program's own doing (reported as its failure, not the sandbox's)."""
 
 
 def set_rlimits(limits: dict, *, processes: bool = False) -> None:
@@ -254,87 +328,94 @@ def become_program(spec: dict) -> None:
 
 
 def launch(spec: dict, status) -> None:
-    """The launcher's part in "namespaces" mode: returns in the program's process only."""
-    spec["uid"] = spec["uid_base"] + os.getpid()  # unique among the runs alive: each has its own launcher
-    cgroup = Cgroup(spec["cgroup"], os.getpid()) if spec["cgroup"] else None
-    if cgroup is not None:
-        cgroup.create(spec["limits"])
+    """The launcher's part in "namespaces" mode: returns in the program's process only. The launcher stays outside
+    the run's PID namespace and cgroup (the parent made the cgroup; the init joins it)."""
     _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # for the children: the launcher stays outside
     init = os.fork()
     if init == 0:
         try:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if spec["cgroup"]:
+                Cgroup(spec["cgroup"], spec["cgroup_name"]).join()
             _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
             build_root(spec)
             program = os.fork()
+        except ProgramError as e:
+            report(status, {"refused": str(e)})
+            os._exit(0)
         except BaseException as e:
-            status.write(repr({"error": f"the sandbox's init failed: {type(e).__name__}: {e}"}) + "\n")
-            status.flush()
+            report(status, {"error": f"the sandbox's init failed: {type(e).__name__}: {e}"})
             os._exit(0)
         if program == 0:
             become_program(spec)  # its failure is reported by prepare()
             return
         try:
-            while True:  # PID 1 reaps every orphan; the run is over when the program is
-                pid, wait_status = os.waitpid(-1, 0)
-                if pid == program:
-                    break
-            report_exit(status, wait_status)
+            report_exit(status, reap(program))
         finally:
             os._exit(0)  # the kernel kills whatever the program left in the namespace
     ready, _, _ = select.select([os.pidfd_open(init)], [], [], spec["limits"]["wall_s"])
     if not ready:
         os.kill(init, signal.SIGKILL)
     os.waitpid(init, 0)  # returns once every process of the namespace is gone
-    report = {"timeout": not ready, "uid": spec["uid"]}
-    if cgroup is not None:
-        report.update(cgroup.counters())
-        report["cleanup_failed"] = cgroup.remove()
-    status.write(repr(report) + "\n")
-    status.flush()
+    report(status, {"timeout": not ready})
     os._exit(0)
+
+
+def report(status, facts: dict) -> None:
+    status.write(repr(facts) + "\n")
+    status.flush()
+
+
+def reap(program: int) -> int:
+    """As PID 1 of the run: reap every orphan until the program ends; its wait status."""
+    while True:
+        pid, wait_status = os.waitpid(-1, 0)
+        if pid == program:
+            return wait_status
 
 
 def report_exit(status, wait_status: int) -> None:
     if os.WIFSIGNALED(wait_status):
-        status.write(repr({"signal": os.WTERMSIG(wait_status)}) + "\n")
+        report(status, {"signal": os.WTERMSIG(wait_status)})
     else:
-        status.write(repr({"exit": os.WEXITSTATUS(wait_status)}) + "\n")
-    status.flush()
+        report(status, {"exit": os.WEXITSTATUS(wait_status)})
 
 
 def supervise(spec: dict, status) -> None:
     """"bwrap" mode: bwrap made the namespaces, dropped every capability, set no_new_privs and loaded the seccomp
-    filter. This process writes the program's files into /work (bwrap's tmpfs), forks the program, and reports
-    how it ended; the namespace's init is bwrap's, which ends the namespace when this process exits."""
-    for name, text in spec["files"].items():
-        with open(os.open(f"/work/{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as f:
-            f.write(text)
+    filter, and (as root) the parent put this process in the run's cgroup. This process is PID 1 of the run
+    (`--as-pid-1`, so that bubblewrap reaps it): it writes the program's files into /work (bwrap's tmpfs), forks
+    the program, reaps every orphan and reports how the program ended; its exit ends the namespace."""
+    try:
+        write_files("/work", spec["files"])
+    except ProgramError as e:
+        report(status, {"refused": str(e)})
+        os._exit(0)
     program = os.fork()
     if program == 0:
         set_rlimits(spec["limits"], processes=True)
         os.chdir("/work")
         return
-    report_exit(status, os.waitpid(program, 0)[1])
+    report_exit(status, reap(program))
     os._exit(0)
 
 
-def become_bwrap(spec: dict, spec_fd: int, argv: list[str]) -> None:
-    """"bwrap" mode as root, where RLIMIT_NPROC does not hold: join the run's cgroup, then become bubblewrap (the
-    same pid; the parent removes the cgroup afterwards)."""
-    Cgroup(spec["cgroup"], os.getpid()).create(spec["limits"])
-    os.lseek(spec_fd, 0, os.SEEK_SET)  # the jail inside reads the spec again
-    os.execv(argv[0], argv)
-
-
 def weak_isolation(spec: dict, status) -> None:
-    """The program in this process, as this user: rlimits, and a network namespace where the kernel allows one."""
-    flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWNET | CLONE_NEWUSER
-    network = hasattr(_libc, "unshare") and _libc.unshare(flags) == 0  # (Linux only)
-    status.write(repr({"network_namespace": network, "uid": os.geteuid()}) + "\n")
-    status.flush()
-    set_rlimits(spec["limits"])
+    """The program in this process: rlimits, a network namespace where the kernel allows one, and as root the
+    run's own uid (which owns only the program's directory; the parent checked that it can read the interpreter)."""
+    root = os.geteuid() == 0
+    network = hasattr(_libc, "unshare") and _libc.unshare(CLONE_NEWNET if root else CLONE_NEWNET | CLONE_NEWUSER) == 0
+    uid = spec["uid"] if root else os.geteuid()
+    report(status, {"network_namespace": network, "uid": uid})
     os.chdir(spec["work"])
+    if root:
+        os.chown(".", uid, uid)
+        for name in spec["files"]:
+            os.chown(name, uid, uid, follow_symlinks=False)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    set_rlimits(spec["limits"], processes=root)  # RLIMIT_NPROC counts the uid's processes: a per-run cap as root
 
 
 # ------------------------------------------------------------------------------------------ the tripwire
@@ -397,8 +478,6 @@ def prepare():
     status = os.fdopen(status_fd, "w")
     spec["machine"] = os.uname().machine
     try:
-        if sys.argv[3:4] == ["--"]:  # jail.py SPEC_FD STATUS_FD -- bwrap ...
-            become_bwrap(spec, spec_fd, sys.argv[4:])
         os.close(spec_fd)
         if spec["mode"] == "namespaces":
             launch(spec, status)  # only the program's process comes back
@@ -415,8 +494,7 @@ def prepare():
         check = compile(spec["check"], "<tests>", "exec") if spec["check"] is not None else None
     except BaseException as e:
         if not status.closed:
-            status.write(repr({"error": f"the sandbox could not start: {type(e).__name__}: {e}"}) + "\n")
-            status.flush()
+            report(status, {"error": f"the sandbox could not start: {type(e).__name__}: {e}"})
         os._exit(126)
     status.close()
     os.closerange(3, 1 << 16)  # nothing of the launcher's stays open in the program
