@@ -213,6 +213,13 @@ class Config:
     not for rewards that run torch models."""
     on_reward_error: str = "raise"
     """What a failing reward does: "raise" stops the step naming the sample; "zero" scores it 0 and records why."""
+    sandbox: str | None = None
+    """The code sandbox's mode in the worker that runs model-written code (a task's reward, an agent's tools:
+    `rl.rewards.run_python` without `mode=`): "namespaces", "bwrap", or "rlimits" (no kernel isolation, for code you
+    trust: a machine without the other two runs code only after this opt-in); one of
+    `rl.rewards.sandbox_info()["available"]`, checked at start-up. On Ray the worker gets it as RLBENCH_SANDBOX; inline
+    it is this process, whose environment a session leaves alone: RLBENCH_SANDBOX must already say it. None: nothing
+    set (RLBENCH_SANDBOX where the worker has it, else the strongest mode here; never "rlimits" unasked)."""
 
     def check(self) -> Config:
         """Raise ValueError for any value that cannot work, naming the field, the value and what the field
@@ -270,6 +277,7 @@ class Config:
         _choice("long_prompts", self.long_prompts, ["error", "drop"])
         _choice("on_reward_error", self.on_reward_error, ["raise", "zero"])
         _choice("rollout_mode", self.rollout_mode, ["sync", "overlap", "async"])
+        _choice("sandbox", self.sandbox, [None, "namespaces", "bwrap", "rlimits"])
         if not (self.lora is None or isinstance(self.lora, LoRA)):
             raise ValueError(f"lora={self.lora!r} is not rl.LoRA(...) or None (a table of its fields becomes one "
                              f"through rl.Session / make_config)")

@@ -140,6 +140,8 @@ BAD = [  # (field, value, the start of the error)
     ("reward_processes", 0, "reward_processes: expected bool, got 0 (int)"),
     ("on_reward_error", "ignore", "on_reward_error='ignore' is not one of: 'raise', 'zero'"),
     ("on_reward_error", None, "on_reward_error: expected str, got None (NoneType)"),
+    ("sandbox", "nonsense", "sandbox='nonsense' is not one of: None, 'namespaces', 'bwrap', 'rlimits'"),
+    ("sandbox", True, "sandbox: expected str or none, got True (bool)"),
 ]
 
 SESSION_BAD = [  # fields typed Any (a name or an object): Config takes any value, the Session checks the name

@@ -7,7 +7,7 @@ from rlbench import algorithms, models, tasks
 from rlbench.algorithms import Algorithm
 from rlbench.config import Config, grouped_keywords
 from rlbench.session.sources import mode_of
-from rlbench.workers.build import check_sampler
+from rlbench.workers.build import check_sampler, check_sandbox
 
 
 def flat_keywords(cfg: Config, keywords: dict) -> list[str]:
@@ -33,6 +33,7 @@ def prepare(cfg: Config, algorithm: Algorithm):
         raise ValueError(f"algorithm {algorithm.name!r} credits each turn of an episode: it needs an agentic task "
                          f"(rl.tasks.AgentTask, e.g. task='calculator'), not {getattr(task, 'name', task)!r}")
     check_sampler(cfg.sampler, cfg.cluster)
+    check_sandbox(cfg.sandbox, cfg.cluster)
     mode_of(cfg).check(cfg, algorithm, task)
     model_dir = str(models.resolve(cfg.model))
     tokenizer = models.load_tokenizer(model_dir)

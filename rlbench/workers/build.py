@@ -7,6 +7,7 @@ or the environment worker), in this process or as Ray actors, and returns them a
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ from rlbench.batch import Batch
 from rlbench.config import Config
 from rlbench.policy import Critic, Policy, Reference
 from rlbench.policy.training import OptimSettings
-from rlbench.rewards import TaskScorer
+from rlbench.rewards import TaskScorer, sandbox_info
 from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams, VLLMSampler
 from rlbench.samplers import vllm as vllm_sampler
 from rlbench.workers.cluster import Ray, WorkerGroup, acquire_ray, check_resources, release_ray
@@ -172,9 +173,9 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
                           lr_decay_steps=cfg.lr_decay_steps)
     common = dict(model_dir=model_dir, micro_batch_tokens=cfg.micro_batch_tokens, device=device, attention=cfg.attention)
 
-    def group(name: str, size: int, concurrency: int = 1) -> WorkerGroup:
+    def group(name: str, size: int, concurrency: int = 1, env: dict[str, str] | None = None) -> WorkerGroup:
         workers = WorkerGroup(name, size, ray=ray is not None, threads=threads, cpus=cfg.cpus_per_worker,
-                              gpus=gpus if name != "rewards" else 0, concurrency=concurrency)
+                              gpus=gpus if name != "rewards" else 0, concurrency=concurrency, env=env)
         groups.append(workers)
         return workers
 
@@ -193,7 +194,8 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
     # each rollout worker runs a rollout, a weights push and an evaluation at once
     samplers = [group(f"rollout-{i}", 1, concurrency=4) for i in range(rollout_workers)] or [group("sampler", 1)]
     agentic = isinstance(task, tasks.AgentTask)
-    last = group("envs" if agentic else "rewards", 1)
+    # the worker that runs model-written code (rewards, tools) with run_python, in the session's sandbox mode
+    last = group("envs" if agentic else "rewards", 1, env={"RLBENCH_SANDBOX": cfg.sandbox} if cfg.sandbox else None)
 
     builds = [policy.start_build("policy", Policy, ranks(
         policy, optim=optim, temperature=cfg.temperature, precision=cfg.precision,
@@ -291,6 +293,22 @@ def check_sampler(sampler, cluster) -> None:
         raise ValueError(f"sampler={sampler!r} is not one of: 'auto', 'hf', 'vllm' (or a Sampler object)")
     if not isinstance(sampler, str) and cluster != "inline":
         raise ValueError("a Sampler object runs in this process: use cluster='inline', or sampler='hf' / 'vllm'")
+
+
+def check_sandbox(sandbox: str | None, cluster) -> None:
+    """ValueError for a `sandbox=` mode that this machine lacks (`sandbox_info()`), or inline, one that this process's
+    RLBENCH_SANDBOX does not say: the worker that runs code is this process then, and a session sets no variable."""
+    if sandbox is None:
+        return
+    info = sandbox_info()
+    if sandbox not in info["available"]:
+        raise ValueError(f"sandbox={sandbox!r} is not available on this machine, which lacks "
+                         f"{info['why_not'][sandbox]}; available: {', '.join(map(repr, info['available'])) or 'none'}")
+    if cluster == "inline" and os.environ.get("RLBENCH_SANDBOX") != sandbox:
+        raise ValueError(f"sandbox={sandbox!r} goes to the worker that scores code and runs tools, and inline that is "
+                         f"this process, whose environment a session does not change (its RLBENCH_SANDBOX is "
+                         f"{os.environ.get('RLBENCH_SANDBOX')!r}): use cluster='ray', or set "
+                         f"os.environ['RLBENCH_SANDBOX'] = {sandbox!r} yourself before the session")
 
 
 def _sampler_factory(cfg: Config, model_dir: str, device: str):

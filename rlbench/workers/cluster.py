@@ -79,10 +79,11 @@ class Host:
 class WorkerGroup:
     """`size` hosts: inline objects (size must be 1) or Ray actors with `cpus` CPUs each. `threads`: torch
     threads of each host process (None: leave the process's own, for an inline host in the user's process).
-    `concurrency`: calls a Ray host runs at once, in threads (a rollout worker takes weights while it samples)."""
+    `concurrency`: calls a Ray host runs at once, in threads (a rollout worker takes weights while it samples).
+    `env`: environment variables of a Ray host's process (besides `WORKER_ENV`)."""
 
     def __init__(self, name: str, size: int, *, ray: bool, threads: int | None = 1, cpus: float = 1.0, gpus: float = 0,
-                 concurrency: int = 1):
+                 concurrency: int = 1, env: dict[str, str] | None = None):
         self.name, self.size, self.ray = name, size, ray
         if not ray:
             if size != 1:
@@ -92,7 +93,7 @@ class WorkerGroup:
         import ray as ray_module
 
         actor = ray_module.remote(Host).options(
-            num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency, runtime_env=worker_runtime_env())
+            num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency, runtime_env=worker_runtime_env(env))
         self.hosts = [actor.remote(threads) for _ in range(size)]
 
     # ------------------------------------------------------------------------------ calls
@@ -244,12 +245,12 @@ WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 worker needs."""
 
 
-def worker_runtime_env() -> dict | None:
-    """The Ray `runtime_env` that gives a worker `WORKER_ENV`, or None when its process inherits it already (a
-    private instance started from an environment that has it). Ray starts a worker with a runtime_env through
-    its runtime-env agent, which costs seconds per worker: about 10 s instead of 3 s for a session's workers."""
+def worker_runtime_env(env: dict[str, str] | None = None) -> dict | None:
+    """The Ray `runtime_env` that gives a worker `WORKER_ENV` and `env`, or None when its process inherits them
+    already (a private instance started from an environment that has them). Ray starts a worker with a runtime_env
+    through its runtime-env agent, which costs seconds per worker: about 10 s instead of 3 s for a session's workers."""
     inherited = _OWNED["environ"] or {}
-    missing = {k: v for k, v in WORKER_ENV.items() if inherited.get(k) != v}
+    missing = {k: v for k, v in (WORKER_ENV | (env or {})).items() if inherited.get(k) != v}
     return {"env_vars": missing} if missing else None
 
 
