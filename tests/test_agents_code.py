@@ -126,7 +126,7 @@ def test_a_session_calls_the_python_tool_and_grades_the_final_answer(chat_dir, t
     ep.step()
     assert [(c.name, c.arguments) for c in ep.pending_tool_calls] == [("python", {"code": "print(6*7)"})]
     ep.step()  # the sandbox runs the code; what it printed comes back as the tool message
-    assert ep.messages[-1] == {"role": "tool", "content": "42\n"}
+    assert ep.messages[-1] == {"role": "tool", "content": "42\n", "name": "python", "tool_call_id": "call_0"}
     ep.step()
     assert ep.done and ep.final_text == "#### 42" and ep.reward() == 1.0
     batch = s.score(s.rollout())

@@ -8,8 +8,14 @@ instance), `reward(episode)` scores the finished episode, `close()` ends it.
 observation comes back as the next user message, the rewards are per-turn rewards, `done` ends the episode.
 
 A method is a tool only when marked (or when it overrides a marked one): a documented helper stays a helper,
-and a game stays a game whatever methods it has. `check(env)` is what `rl.tasks.AgentTask` runs on its `env=`: every mistake in the contract
-is named when the task is made, not found mid-rollout.
+and a game stays a game whatever methods it has. Any of the methods (`reset`, a tool, `step`, `reward`, `close`) may
+be `async def`: the environment worker awaits it on its event loop, under the same time limit. `check(env)` is what
+`rl.tasks.AgentTask` runs on its `env=`: every mistake in the contract is named when the task is made, not found
+mid-rollout.
+
+A task may hold several environments, `env={"calc": Calculator, "lookup": Lookup}, route="env"`: each example's
+"env" field names the environment its episodes run in (`environments` checks them all, `pick` finds an example's),
+and each episode's prompt declares its own environment's tools only.
 """
 
 from __future__ import annotations
@@ -147,3 +153,49 @@ def check(env: type | None, tools: tuple, reward) -> None:
                          f"task tools=")
     if env.reward is Env.reward and reward is None:
         raise ValueError(f"{env.__name__} defines no reward(episode): define it, or give the task reward=")
+
+
+def environments(env, route: str | None, tools: tuple, reward) -> dict[str | None, type | None]:
+    """A task's environment classes by the value of the example field `route` that picks them (`{None: env}` for a
+    task of one environment), each checked with `check`; ValueError naming what is wrong: a dict without `route`
+    (or `route` without a dict), a name that is not a string, an environment that breaks the contract, games mixed
+    with tool environments (one task's episodes are all played by their turns, or all driven by tools)."""
+    if not isinstance(env, dict):
+        if route is not None:
+            raise ValueError(f"route={route!r} picks each example's environment from env= given as a dict "
+                             f"({{name: class}}); env= is {getattr(env, '__name__', env)!r}: give a dict, or no route")
+        check(env, tools, reward)
+        return {None: env}
+    if not (isinstance(route, str) and route):
+        raise ValueError(f"env= is a dict of environments ({', '.join(map(repr, env))}): route= names the example "
+                         f"field whose value picks each example's, e.g. route=\"env\"")
+    if not env:
+        raise ValueError("env= is an empty dict: give {name: environment class}")
+    for name, klass in env.items():
+        if not isinstance(name, str):
+            raise ValueError(f"env= names its environments by strings (an example's {route!r} value), got {name!r}")
+        if klass is None:
+            raise ValueError(f"env[{name!r}] is None: give an rl.Env or rl.Game class")
+        try:
+            check(klass, tools, reward)
+        except ValueError as error:
+            raise ValueError(f"env[{name!r}]: {error}") from None
+    games = [name for name, klass in env.items() if is_game(klass)]
+    if games and len(games) < len(env):
+        raise ValueError(f"env= mixes games ({', '.join(games)}) with tool environments "
+                         f"({', '.join(n for n in env if n not in games)}): one task's environments are all rl.Game "
+                         f"or all rl.Env")
+    return dict(env)
+
+
+def pick(choices: dict, route: str | None, example: dict):
+    """The entry of `choices` (keyed like `environments`' result) for `example`: its `route` field's value, or the
+    one entry None without a route; ValueError naming the field and the names there are."""
+    if route is None:
+        return choices[None]
+    value = example.get(route)
+    if isinstance(value, str) and value in choices:
+        return choices[value]
+    what = f"no {route!r} field" if route not in example else f"{route}={value!r}, which names no environment"
+    raise ValueError(f"the example has {what}: route={route!r} picks its environment, one of "
+                     f"{', '.join(map(repr, choices))}")

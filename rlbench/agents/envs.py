@@ -2,25 +2,36 @@
 limit.
 
 Every kind of environment (`rlbench.agents.env`: an `Env` with tools, a `Game`, or function tools alone, the
-example's prompt starting the episode) is driven the same way. `EnvPool` holds the instances of running
-episodes, in the controller's process (inline) or in a Ray actor of its own (the environments then run off the
-driver). Work is submitted per episode and collected by `poll`: a tool that takes long holds up only its own
-episode, never the others. Every call into the user's code (the class, `reset`, a tool, `step`, `reward`,
-`close`) runs under the task's `tool_timeout_s`, and everything that goes wrong (one of them raising, taking
-longer or returning the wrong thing, a malformed or unknown call, bad arguments) comes back as a message and a
-reason, never as an exception out of the pool or a wait without end.
+example's prompt starting the episode; several of them routed by a field of the example) is driven the same way.
+`EnvPool` holds the instances of running episodes, in the controller's process (inline) or in a Ray actor of its
+own (the environments then run off the driver). Work is submitted per episode and collected by `poll`: a tool that
+takes long holds up only its own episode, never the others. Every call into the user's code (the class, `reset`, a
+tool, `step`, `reward`, `close`) runs under the task's `tool_timeout_s`, and everything that goes wrong (one of
+them raising, taking longer or returning the wrong thing, a malformed or unknown call, bad arguments) comes back
+as a message and a reason, never as an exception out of the pool or a wait without end.
+
+The calls of one assistant turn run at once, each in a thread of its own with its own time limit, on the episode's
+instance (a tool that changes the instance's state shares it with the turn's other calls); their messages come
+back in the order of the calls. `tool_concurrency` caps the tool calls running at once across the pool (every
+episode's): a call waits for a free slot before its time limit starts, and holds it until it returns or its time
+is up. A method that is `async def` runs on the pool's event loop (one thread, started at the first such call): a
+turn's async calls run concurrently there (an async tool that blocks instead of awaiting holds up the others), and
+one past its time limit is cancelled (a sync one cannot be: its thread is left behind).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import math
 import numbers
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
-from rlbench.agents.env import check, is_game, tools_of
+from rlbench.agents.env import environments, is_game, pick, tools_of
 from rlbench.agents.parsers import ToolCall
 from rlbench.agents.render import chat_messages
 from rlbench.agents.tools import Tool
@@ -30,26 +41,38 @@ class EnvPool:
     """Environment instances by episode key (see the module docstring); every method returns, none raises
     for an environment's failure."""
 
-    def __init__(self, env: type | None, tools: tuple = (), reward: Callable | None = None,
-                 system: str | None = None, tool_timeout_s: float | None = 10.0):
-        check(env, tuple(tools), reward)
-        self.env_class, self.extra_tools, self.reward_fn = env, tuple(tools), reward
+    def __init__(self, env: type | dict[str, type] | None, tools: tuple = (), reward: Callable | None = None,
+                 system: str | None = None, tool_timeout_s: float | None = 10.0, *, route: str | None = None,
+                 tool_concurrency: int | None = None):
+        self.env_classes = environments(env, route, tuple(tools), reward)
+        """The environment classes by the value of the examples' `route` field ({None: env} for one)."""
+        check_tool_concurrency(tool_concurrency)
+        self.route, self.extra_tools, self.reward_fn = route, tuple(tools), reward
         self.system, self.tool_timeout_s = system, tool_timeout_s
-        self.game = is_game(env)
+        self.slots = threading.Semaphore(tool_concurrency) if tool_concurrency else contextlib.nullcontext()
+        """Held by each running tool call: `tool_concurrency` of them at most."""
+        self.game = is_game(next(iter(self.env_classes.values())))
         """A game: each assistant turn is an action for `step`."""
         self.envs: dict[int, object] = {}
         self.tools: dict[int, dict[str, Tool]] = {}
         self.done: dict[int, object] = {}  # key -> finished job's result
         self.lock = threading.Lock()
         self.ready = threading.Condition(self.lock)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """Where `async def` methods run (started at the first)."""
 
     def open(self, keys: list[int], examples: list[dict]) -> list[tuple[list[dict] | None, str | None]]:
         """Start one episode per key: (its first messages, None), or (None, why its environment failed to start:
-        the class or `reset` raised, took longer than the time limit, or returned something other than a first
-        turn)."""
+        its example names no environment, the class or `reset` raised, took longer than the time limit, or returned
+        something other than a first turn)."""
         out = []
         for key, example in zip(keys, examples):
-            started, error = self._timed(lambda: self._reset(example), "reset")
+            try:
+                env_class = pick(self.env_classes, self.route, example)
+            except ValueError as bad:
+                out.append((None, str(bad)))
+                continue
+            started, error = self._timed(lambda: self._reset(env_class, example), "reset")
             env, first = started if error is None else (None, None)
             if error is None:
                 try:
@@ -66,17 +89,30 @@ class EnvPool:
             out.append((messages, None))
         return out
 
-    def _reset(self, example: dict):
-        env = self.env_class() if self.env_class is not None else None
-        return env, _call_with_fields(env.reset, example) if env is not None else example["prompt"]
+    def _reset(self, env_class: type | None, example: dict):
+        """(the instance, its first turn); a coroutine giving them when `reset` is async."""
+        if env_class is None:
+            return None, example["prompt"]
+        env = env_class()
+        first = _call_with_fields(env.reset, example)
+        if inspect.isawaitable(first):
+            async def started():
+                return env, await first
+            return started()
+        return env, first
 
     def info(self) -> dict:
-        """{"schemas": the tools' JSON schemas, "game": whether turns are actions for `step`}."""
-        return {"schemas": [t.schema for t in tools_of(self.env_class, self.extra_tools).values()], "game": self.game}
+        """{"schemas": {route value: the JSON schemas of that environment's tools} ({None: ...} for one environment),
+        "route": the example field that picks an episode's environment, "game": whether turns are actions for
+        `step`}."""
+        schemas = {name: [t.schema for t in tools_of(klass, self.extra_tools).values()]
+                   for name, klass in self.env_classes.items()}
+        return {"schemas": schemas, "route": self.route, "game": self.game}
 
     def submit(self, key: int, calls: list[ToolCall] | None = None, action: str | None = None) -> None:
-        """Run an episode's tool calls in order (or, for a game, its action) in a thread of their own; `poll`
-        returns the result: a list of (tool message, error or None), or (observation, reward, done, error)."""
+        """Run an episode's tool calls (at once, see the module docstring) or, for a game, its action, in a thread of
+        their own; `poll` returns the result: a list of (tool message, error or None) in the calls' order, or
+        (observation, reward, done, error)."""
         job = (lambda: self._run_calls(key, calls)) if action is None else (lambda: self._run_step(key, action))
 
         def run():
@@ -125,20 +161,31 @@ class EnvPool:
             self._timed(env.close, "close")
 
     def _run_calls(self, key: int, calls: list[ToolCall]) -> list[tuple[str, str | None]]:
-        results = []
-        for call in calls:
-            tool = self.tools.get(key, {}).get(call.name)
-            if tool is None:
-                known = ", ".join(self.tools.get(key, {})) or "none"
-                results.append(_error(f"unknown tool {call.name!r}; tools: {known}"))
-                continue
-            try:
-                arguments = tool.check(call.arguments)
-            except ValueError as error:
-                results.append(_error(str(error)))
-                continue
-            results.append(self._timed(lambda: str(tool(**arguments)), f"tool {call.name}"))
+        """Every call at once, a thread each; (tool message, error or None) per call, in their order."""
+        results: list = [None] * len(calls)
+
+        def run(i: int) -> None:
+            results[i] = self._run_call(key, calls[i])
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"rlbench-call-{key}-{i}", daemon=True)
+                   for i in range(len(calls))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:  # each ends within its wait for a slot and its time limit
+            thread.join()
         return results
+
+    def _run_call(self, key: int, call: ToolCall) -> tuple[str, str | None]:
+        tool = self.tools.get(key, {}).get(call.name)
+        if tool is None:
+            known = ", ".join(self.tools.get(key, {})) or "none"
+            return _error(f"unknown tool {call.name!r}; tools: {known}")
+        try:
+            arguments = tool.check(call.arguments)
+        except ValueError as error:
+            return _error(str(error))
+        with self.slots:
+            return self._timed(lambda: _text(tool(**arguments)), f"tool {call.name}")
 
     def _run_step(self, key: int, action: str):
         """(observation, reward, done, None), or ("", 0.0, True, why) when `step` failed: raised, took too long,
@@ -153,12 +200,17 @@ class EnvPool:
         return "", 0.0, True, error
 
     def _timed(self, fn: Callable, what: str):
-        """(fn(), None), or (an error message for the model, the reason) when it raised or took too long."""
+        """(fn(), None), or (an error message for the model, the reason) when it raised or took too long. What fn
+        returns is awaited on the pool's event loop when it is awaitable (an `async def` method's coroutine)."""
         box: dict = {}
 
         def run():
             try:
-                box["value"] = fn()
+                value = fn()
+                if inspect.isawaitable(value):
+                    box["future"] = asyncio.run_coroutine_threadsafe(_awaited(value), self._event_loop())
+                    value = box["future"].result()
+                box["value"] = value
             except BaseException as error:  # noqa: BLE001 - a tool's SystemExit / KeyboardInterrupt is its failure
                 box["error"] = error
 
@@ -167,10 +219,50 @@ class EnvPool:
         thread.start()
         thread.join(self.tool_timeout_s)
         if thread.is_alive():  # a Python thread cannot be killed: it is left behind, the episode goes on
+            if "future" in box:  # a coroutine can be stopped: it is cancelled
+                box["future"].cancel()
             return _error(f"{what} timed out after {time.monotonic() - start:.3g} s")
         if "error" in box:
             return _error(f"{what} raised {_describe(box['error'])}")
         return box["value"], None
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop of `async def` methods: a thread of its own, started here the first time, stopped (and the loop
+        closed) when the pool is collected."""
+        with self.lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=_serve, args=(self.loop,), name="rlbench-env-loop", daemon=True).start()
+                weakref.finalize(self, self.loop.call_soon_threadsafe, self.loop.stop)
+            return self.loop
+
+
+def check_tool_concurrency(tool_concurrency) -> None:
+    """ValueError unless `tool_concurrency` is None (no limit) or a positive integer."""
+    if tool_concurrency is not None and (isinstance(tool_concurrency, bool) or not isinstance(tool_concurrency, int)
+                                         or tool_concurrency < 1):
+        raise ValueError(f"tool_concurrency must be a positive integer (the most tool calls running at once) or None "
+                         f"(no limit), got {tool_concurrency!r}")
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _text(value):
+    """A tool's value as its message; for an async tool's coroutine, a coroutine giving that."""
+    if inspect.isawaitable(value):
+        async def text():
+            return str(await value)
+        return text()
+    return str(value)
 
 
 def _call_with_fields(fn: Callable, example: dict):

@@ -66,7 +66,8 @@ class Episode:
         """Seeds its turns' sampling, with the turn's number: from the rollout's seed and its row in the rollout,
         so it depends on neither the episodes run before it in this process nor the others of its call."""
         self.messages: list[dict] = list(messages or [])
-        """The conversation as messages (assistant contents as sampled)."""
+        """The conversation as messages: each assistant message as the parser reads its sampled text (content and
+        `tool_calls`; a game's: the text), the tool results after it named after its calls."""
         self.ids: list[int] = []
         self.kinds: list[int] = []
         self.logps: list[float] = []

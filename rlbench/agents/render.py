@@ -6,22 +6,33 @@ in the context is re-tokenized or re-rendered (chat templates are not always app
 reasoning blocks or rewrite turn separators, and a trainer fed the re-rendered tokens learns on tokens nobody
 sampled).
 
-What to append comes from the template itself, rendered around a fixed reference conversation: the text it puts
-after an assistant message's content (`end_of_turn`: e.g. "<|im_end|>\\n"), minus whatever the sampled turn
-already ended with, then the text it renders for the new messages and the generation prompt. `check_template`
-says whether this equals rendering the conversation whole, turn by turn.
+What to append comes from the template itself, rendered around a short reference conversation (a user turn, then
+the sampled turn as a chat message): what the template writes after the sampled text (`Renderer.closing`: the
+end of turn the sampler did not sample, e.g. "\\n" after Qwen's "<|im_end|>"), then the text it renders for the
+new messages and the generation prompt. The sampled turn's message is the parser's (`rlbench.agents.parsers`):
+templates such as gpt-oss's render a tool result only after the assistant message whose `tool_calls` it answers,
+and name it after that call (a template that renders no `tool_calls` gets the sampled text as the content).
+`check_template` says whether this equals rendering the conversation whole, turn by turn, and what to do when it
+does not. A template that fails on a conversation (a jinja error) is a ValueError naming the error and the shape
+of the messages.
 
 Without a chat template, messages render plainly as "role: content" lines and "assistant:" for the reply.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from jinja2 import TemplateError
+
+from rlbench.agents.parsers import Parser, assistant_message, tool_messages
 from rlbench.models.chat import has_chat_template
 
 PROBE = "rlbench-probe-3f9a"
 """The assistant content of the reference conversation (text no template writes by itself)."""
+USER = {"role": "user", "content": "hi"}
+"""The user turn of the reference conversation."""
 KINDS = ("template", "sampled", "tool")
 """What each token of an episode is (its code is the index): written by the chat template, sampled by the
 policy (the only trainable kind), or the content of a tool result / observation."""
@@ -32,17 +43,28 @@ class Renderer:
 
     def __init__(self, tokenizer, tools: list[dict] | None = None):
         self.tokenizer, self.tools = tokenizer, tools or None
-        self._reference = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}]
-        self._reference_text = self.render(self._reference, generation_prompt=False)
-        self.end_of_turn = self._reference_text[self._reference_text.rindex(PROBE) + len(PROBE):]
+        reference = self.render([USER, {"role": "assistant", "content": PROBE}], generation_prompt=False)
+        self.end_of_turn = reference[reference.rindex(PROBE) + len(PROBE):]
         """What the template writes after an assistant message's content (e.g. "<|im_end|>\\n")."""
+        self._prompt_text = self.render([USER], generation_prompt=True)
+        self.renders_tool_calls = self._renders_tool_calls()
+        """Whether the template writes an assistant message's `tool_calls`; one that does not (the built-in
+        tiny-tools', Llama 3's first) gets each turn's sampled text as the message's content instead."""
 
     def render(self, messages: list[dict], *, generation_prompt: bool) -> str:
-        """The conversation as text, whole, ending with the assistant's generation prompt if asked."""
-        if has_chat_template(self.tokenizer):
+        """The conversation as text, whole, ending with the assistant's generation prompt if asked; ValueError
+        naming the template's error and the messages' shape when the template fails on them."""
+        if not has_chat_template(self.tokenizer):
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if generation_prompt
+                                                                                  else "")
+        try:
             return self.tokenizer.apply_chat_template(list(messages), tools=self.tools, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if generation_prompt else "")
+        except TemplateError as error:
+            raise ValueError(f"the chat template cannot render messages shaped {shape(messages)}: "
+                             f"{type(error).__name__}: {error} (a template that renders an assistant message's "
+                             f"tool_calls, or names a tool message after its call, needs the messages of the model's "
+                             f"tool-call format: AgentTask(parser=...), one of rl.agents.PARSERS)") from error
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -51,15 +73,16 @@ class Renderer:
         """The first context of an episode: its messages and the generation prompt."""
         return self.encode(self.render(messages, generation_prompt=True))
 
-    def continuation(self, sampled_text: str, messages: list[dict]) -> tuple[list[int], list[int]]:
+    def continuation(self, sampled_text: str, messages: list[dict],
+                     assistant: dict | None = None) -> tuple[list[int], list[int]]:
         """(token ids, their kinds) to append after an assistant turn that sampled `sampled_text`: the rest of
-        the template's end of turn, `messages` (tool results, observations) and the next generation prompt."""
-        closing = self.end_of_turn
-        for k in range(len(closing), 0, -1):  # the part of the end of turn the model already sampled (an EOS)
-            if sampled_text.endswith(closing[:k]):
-                closing = closing[k:]
-                break
-        text = closing + self._rendered(list(messages))
+        the template's end of turn, `messages` (tool results, observations) and the next generation prompt.
+        `assistant` is the sampled turn as a chat message (`parsers.assistant_message`; default: the text as its
+        content)."""
+        if assistant is None or not self.renders_tool_calls:
+            assistant = {"role": "assistant", "content": self._without_eos(sampled_text)}
+        closing = self.closing(sampled_text, assistant)
+        text = closing + self._rendered(assistant, list(messages))
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         spans, start = [], len(closing)
         for m in messages:  # where each message's content sits in the appended text
@@ -71,32 +94,85 @@ class Renderer:
                  for a, b in encoded["offset_mapping"]]
         return list(encoded["input_ids"]), kinds
 
-    def _rendered(self, messages: list[dict]) -> str:
-        """The template's text for `messages` and the generation prompt, after an assistant turn; where the
-        template rewrites an earlier assistant message once more follow, after a user message alone (the new
-        messages' own text: earlier tokens are never rewritten)."""
-        for before in (self._reference, self._reference[:1]):
+    def closing(self, sampled_text: str, assistant: dict) -> str:
+        """What the template writes after the sampled text of a turn (`assistant`: the turn as a chat message).
+
+        The template's text of the turn (`turn_text`) after the sampled text less its EOS: its end of turn when the
+        turn was sampled as the template writes it ("<|im_end|>\\n" after a stop string); where the template writes
+        it otherwise (a call's JSON spaced otherwise, gpt-oss's recipient on the other side of the channel), what
+        follows the longest end of it that the template's text holds. A sampled EOS that this starts with is
+        not written again ("\\n" after Qwen's EOS "<|im_end|>"). Where the template's text holds no end of it at
+        all, `end_of_turn`."""
+        text = self._without_eos(sampled_text)
+        turn = self.turn_text(assistant)
+        if turn.startswith(text):
+            closing = turn[len(text):]
+        elif k := _longest_end_within(text, turn):
+            closing = turn[turn.rindex(text[-k:]) + k:]
+        else:
+            closing = self.end_of_turn
+        eos = sampled_text[len(text):]
+        return closing[len(eos):] if eos and closing.startswith(eos) else closing
+
+    def _without_eos(self, sampled_text: str) -> str:
+        return sampled_text.removesuffix(self.tokenizer.eos_token or "")
+
+    def _renders_tool_calls(self) -> bool:
+        call = {"id": "call_0", "type": "function", "function": {"name": PROBE, "arguments": {}}}
+        try:
+            return PROBE in self.render([USER, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                        generation_prompt=False)
+        except ValueError:  # a template that fails on tool_calls renders none
+            return False
+
+    def turn_text(self, assistant: dict) -> str:
+        """The template's text of an assistant message as the last of the reference conversation, after the
+        generation prompt."""
+        whole = self.render([USER, assistant], generation_prompt=False)
+        return whole[len(os.path.commonprefix([self._prompt_text, whole])):]
+
+    def _rendered(self, assistant: dict, messages: list[dict]) -> str:
+        """The template's text for `messages` and the generation prompt, after the sampled turn (`assistant`);
+        where the template rewrites the turn once more follow (Qwen3's drops an empty reasoning block), after the
+        user turn alone (the new messages' own text: earlier tokens are never rewritten)."""
+        for before in ([USER, assistant], [USER]):
             head = self.render(before, generation_prompt=False)
             after = self.render(before + messages, generation_prompt=True)
             if after.startswith(head):
                 return after[len(head):]
-        raise ValueError("this chat template renders a user message differently once more messages follow: "
-                         "rlbench cannot append messages to a conversation with it")
+        raise ValueError(f"this chat template renders the conversation {shape([USER, assistant] + messages)} "
+                         f"differently from its first messages alone, even after a user message: rlbench cannot "
+                         f"append messages to a conversation with it")
+
+
+FIXES = """\
+What to do (an episode keeps the tokens it sampled either way, and trains on the contexts the model really saw;
+what differs is the context the template would give at inference):
+  - use a template that leaves earlier turns as they were, a fixed copy of the model's, such as TRL's training
+    templates (trl/chat_templates/*_training.jinja; qwen3_training.jinja keeps Qwen3's reasoning): set
+    `tokenizer.chat_template` and save the tokenizer in the model's folder (`tokenizer.save_pretrained(path)`), which
+    the session loads (rlbench has no chat-template setting of its own);
+  - or accept it: the session only warns."""
+"""The options a failed `TemplateReport` lists."""
 
 
 @dataclass
 class TemplateReport:
     """What `check_template` found: per assistant turn, the first token where appending differs from the
-    whole render (None where they agree)."""
+    whole render (None where they agree); printed when they differ, it lists what to do (`FIXES`)."""
 
     turns: list[dict] = field(default_factory=list)
     """One dict per turn: {"turn", "position", "appended", "whole"} (position None: no difference)."""
+    error: str | None = None
+    """Why the conversation could not be rendered at all (then nothing was compared)."""
 
     @property
     def ok(self) -> bool:
-        return all(t["position"] is None for t in self.turns)
+        return self.error is None and all(t["position"] is None for t in self.turns)
 
     def __str__(self) -> str:
+        if self.error is not None:
+            return f"template could not be checked: {self.error}"
         if self.ok:
             return f"template is append-only over {len(self.turns)} turns"
         lines = ["template is NOT append-only: the tokens a sampler appends differ from rendering the "
@@ -105,7 +181,7 @@ class TemplateReport:
             if t["position"] is not None:
                 lines.append(f"  turn {t['turn']}: first difference at token {t['position']}: appended "
                              f"{t['appended']!r}, whole {t['whole']!r}")
-        return "\n".join(lines)
+        return "\n".join(lines + [FIXES])
 
     __repr__ = __str__
 
@@ -124,14 +200,19 @@ def chat_messages(value) -> list[dict]:
     return [dict(m) for m in value]
 
 
-def check_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> TemplateReport:
+def check_template(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                   parser: Parser | None = None) -> TemplateReport:
     """Render `messages` turn by turn as a sampler sees them (the first prompt, each assistant message's content
     as its sampled tokens, the template's continuations appended) and whole, and report the first differing
     token of each assistant turn (the whole render of the conversation up to and including that turn's
     continuation is the reference).
 
-    `messages` needs at least one assistant message after the first user turn. The session runs this on its
-    task's first example at start-up and warns with the report when it fails.
+    With a `parser` (`rl.agents.get_parser("qwen")`, ...), the template gets the messages an episode gives it: each
+    assistant message as the parser reads its text (`tool_calls` and all), the tool messages after it named after
+    its calls; write the assistant texts as the model writes its calls. Without one, or with a template that
+    renders no `tool_calls`, assistant messages are their text. `messages` needs at least one assistant message
+    after the first user turn. The session runs this on its task's first example at start-up and warns with the
+    report when it fails.
     """
     try:
         messages = chat_messages(messages)
@@ -141,7 +222,8 @@ def check_template(tokenizer, messages: list[dict], tools: list[dict] | None = N
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if not first:
         raise ValueError("check_template needs a conversation with an assistant message after the first turn")
-    ids = renderer.prompt_ids(messages[:first])
+    parsed = episode_messages(messages, parser if renderer.renders_tool_calls else None)
+    ids = renderer.prompt_ids(parsed[:first])
     report = TemplateReport()
     i, turn = first, 0
     while i < len(messages):
@@ -149,17 +231,54 @@ def check_template(tokenizer, messages: list[dict], tools: list[dict] | None = N
         j = next((k for k in range(i + 1, len(messages)) if messages[k]["role"] == "assistant"), len(messages))
         ids = ids + renderer.encode(content)
         if j < len(messages) or j > i + 1:  # messages follow: the template's continuation is appended
-            ids = ids + renderer.continuation(content, messages[i + 1 : j])[0]
-            whole = renderer.encode(renderer.render(messages[:j], generation_prompt=True))
+            ids = ids + renderer.continuation(content, parsed[i + 1 : j], parsed[i])[0]
+            whole = renderer.encode(renderer.render(parsed[:j], generation_prompt=True))
         else:  # the last turn: it ends with the template's end of turn
-            ids = ids + renderer.encode(renderer.end_of_turn)
-            whole = renderer.encode(renderer.render(messages[:j], generation_prompt=False))
+            ids = ids + renderer.encode(renderer.closing(content, parsed[i]))
+            whole = renderer.encode(renderer.render(parsed[:j], generation_prompt=False))
         position = next((p for p, (a, b) in enumerate(zip(ids, whole)) if a != b),
                         None if len(ids) == len(whole) else min(len(ids), len(whole)))
         report.turns.append({"turn": turn, "position": position,
                              "appended": _around(tokenizer, ids, position), "whole": _around(tokenizer, whole, position)})
         i, turn = j, turn + 1
     return report
+
+
+def episode_messages(messages: list[dict], parser: Parser | None) -> list[dict]:
+    """`messages` as an episode with `parser` gives them to the template: each assistant message (its content the
+    sampled text) as `parsers.assistant_message` builds it, each run of tool messages after it as
+    `parsers.tool_messages` does (the k-th answering its k-th call); the others as they are. No parser: all as
+    they are."""
+    if parser is None:
+        return list(messages)
+    out, calls, i = [], [], 0
+    while i < len(messages):
+        m = messages[i]
+        if m["role"] == "tool":
+            j = next((k for k in range(i, len(messages)) if messages[k]["role"] != "tool"), len(messages))
+            out += tool_messages(parser, calls, [t["content"] for t in messages[i:j]])
+            i = j
+            continue
+        if m["role"] == "assistant":
+            calls = parser.parse(m["content"])[0]
+            m = assistant_message(parser, m["content"], calls)
+        out.append(m)
+        i += 1
+    return out
+
+
+def shape(messages: list[dict]) -> str:
+    """The roles and fields of chat messages, e.g. "[user{content}, assistant{content, tool_calls}]"."""
+    return "[" + ", ".join(f"{m.get('role')}{{{', '.join(k for k in m if k != 'role')}}}" for m in messages) + "]"
+
+
+def _longest_end_within(text: str, within: str) -> int:
+    """The length of the longest end of `text` that `within` holds (an end held means a shorter one is)."""
+    low, high = 0, len(text)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if text[-mid:] in within else (low, mid - 1)
+    return low
 
 
 def _around(tokenizer, ids: list[int], position: int | None) -> str | None:

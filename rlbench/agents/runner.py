@@ -1,8 +1,9 @@
 """Running episodes: one by hand (`EpisodeHandle.step`), or all of a step's episodes batched, turn by turn.
 
 The batched loop (`EpisodeRunner.rollout`): every episode waiting for its next turn is sampled in one sampler
-call; episodes whose turn called tools hand the calls to the environment worker and wait; whatever tools have
-finished are appended and those episodes join the next sampler call. A slow tool holds up its own episode only.
+call; episodes whose turn called tools hand the calls (all of the turn's, which run at once) to the environment
+worker and wait; whatever tools have finished are appended and those episodes join the next sampler call. A slow
+tool holds up its own episode only.
 An episode ends on EOS, at max_turns, at max_new_tokens, when the context is full, when a game says done;
 its environment is scored and closed the moment it ends, and closed (unscored) if the rollout itself fails.
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from rlbench.agents.env import pick
 from rlbench.agents.episode import SAMPLED, Episode, Turn, hash62, to_batch
+from rlbench.agents.parsers import assistant_message, tool_messages
 from rlbench.agents.render import Renderer, TemplateReport, chat_messages, check_template
 from rlbench.batch import Batch
 
@@ -29,12 +32,14 @@ POLL_S = 0.05
 
 
 class EpisodeRunner:
-    """Drives episodes: the sampler (`sample`), the chat template (`renderer`), the tool-call `parser` and the
+    """Drives episodes: the sampler (`sample`), the chat template with each environment's tools (`renderers`: by
+    the value of the examples' `route` field, {None: renderer} for one environment), the tool-call `parser` and the
     environments (`envs`: an `EnvPool` or a handle to one on Ray)."""
 
-    def __init__(self, sample: Sample, renderer: Renderer, parser, envs, tokenizer, *, max_turns: int,
-                 max_new_tokens: int, max_context: int, game: bool = False):
-        self.sample_fn, self.renderer, self.parser, self.envs = sample, renderer, parser, envs
+    def __init__(self, sample: Sample, renderers: dict[str | None, Renderer], parser, envs, tokenizer, *,
+                 max_turns: int, max_new_tokens: int, max_context: int, game: bool = False, route: str | None = None):
+        self.sample_fn, self.renderers, self.parser, self.envs = sample, renderers, parser, envs
+        self.route = route
         self.tokenizer, self.game = tokenizer, game
         self.max_turns, self.max_new_tokens, self.max_context = max_turns, max_new_tokens, max_context
         self.version = 0
@@ -46,29 +51,36 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------------------ episodes
     def start(self, examples: list[dict], *, greedy: bool = False) -> list[Episode]:
-        """New episodes, one per example: environments reset, first contexts rendered; `greedy` turns sample the
-        most likely token."""
+        """New episodes, one per example: environments reset, first contexts rendered (with the tools of each
+        example's environment); `greedy` turns sample the most likely token. ValueError, before any environment
+        starts, for an example whose `route` field names no environment."""
+        renderers = [self.renderer_of(example) for example in examples]
         keys = list(range(self._next_key, self._next_key + len(examples)))
         self._next_key += len(examples)
         episodes = []
-        for row, (key, example, (messages, error)) in enumerate(zip(keys, examples, self.envs.open(keys, examples))):
+        for row, (key, example, renderer, (messages, error)) in enumerate(
+                zip(keys, examples, renderers, self.envs.open(keys, examples))):
             seed = hash62(f"{self.seed}/{row}")
             if error is not None:  # the prompt, if the example has a usable one, keeps the row trainable-shaped
-                ids = self._prompt_ids(example)
+                ids = self._prompt_ids(renderer, example)
                 episodes.append(Episode(key, example, None, ids, error=error, greedy=greedy, seed=seed))
                 continue
-            ids = self.renderer.prompt_ids(messages)
+            ids = renderer.prompt_ids(messages)
             episode = Episode(key, example, messages, ids, greedy=greedy, seed=seed)
-            episode.states.append(self.renderer.render(messages, generation_prompt=True))
+            episode.states.append(renderer.render(messages, generation_prompt=True))
             if len(ids) >= self.max_context:
                 episode.end("context_full")
             episodes.append(episode)
         return episodes
 
-    def _prompt_ids(self, example) -> list[int]:
+    def renderer_of(self, example: dict) -> Renderer:
+        """The chat template with the tools of the example's environment."""
+        return pick(self.renderers, self.route, example)
+
+    def _prompt_ids(self, renderer: Renderer, example) -> list[int]:
         """The tokens of the example's prompt, or EOS alone when it has none that renders."""
         try:
-            return self.renderer.prompt_ids(chat_messages(example["prompt"]))
+            return renderer.prompt_ids(chat_messages(example["prompt"]))
         except (KeyError, TypeError, ValueError):
             return [self.tokenizer.eos_token_id]
 
@@ -101,7 +113,8 @@ class EpisodeRunner:
         ep.turns.append(Turn(text=text, stop_reason=reason, calls=calls, errors=list(errors), unreadable=list(errors),
                              attempts=len(calls) + len(errors)))
         ep.append(ids, [SAMPLED] * len(ids), logps, self.version)
-        ep.messages.append({"role": "assistant", "content": text})
+        ep.messages.append({"role": "assistant", "content": text} if self.game  # the turn as its template takes it
+                           else assistant_message(self.parser, text, calls))
         if reason == "tool_call" or (self.game and reason == "eos"):
             if len(ep.turns) >= self.max_turns:
                 ep.end("max_turns")
@@ -140,12 +153,12 @@ class EpisodeRunner:
                 ep.end("env_done")
                 return
         else:
-            messages = [{"role": "tool", "content": message} for message, _ in results]
-            messages += [{"role": "tool", "content": f"error: {e}"} for e in turn.unreadable]
+            messages = tool_messages(self.parser, turn.calls, [message for message, _ in results]
+                                     + [f"error: {e}" for e in turn.unreadable])
             turn.errors[:0] = [error for _, error in results if error is not None]
         turn.results = [m["content"] for m in messages]
         sampled = self.tokenizer.decode(ep.ids[len(ep.ids) - _sampled_run(ep):])
-        ids, kinds = self.renderer.continuation(sampled, messages)
+        ids, kinds = self.renderer_of(ep.example).continuation(sampled, messages, ep.messages[-1])
         if len(ep.context) + len(ids) >= self.max_context:
             ep.end("context_full")
             return
@@ -165,7 +178,9 @@ class EpisodeRunner:
 
     def check_template(self, example: dict) -> TemplateReport | None:
         """`check_template` on a conversation of this task: the example's first turn, an answer, a tool result
-        (a game: an observation) and another answer (None if the environment fails to start)."""
+        (a game: an observation) and another answer (None if the environment fails to start). A template that
+        cannot render that conversation (gpt-oss names a tool result after the call before it, and this one has
+        none) gives a report that says so: the session warns and goes on, its episodes render real calls."""
         [ep] = self.start([example])
         self.envs.close([ep.key])
         if ep.error is not None:
@@ -173,7 +188,10 @@ class EpisodeRunner:
         role = "user" if self.game else "tool"
         messages = ep.messages + [{"role": "assistant", "content": "1"}, {"role": role, "content": "2"},
                                   {"role": "assistant", "content": "3"}]
-        return check_template(self.tokenizer, messages, self.renderer.tools)
+        try:
+            return check_template(self.tokenizer, messages, self.renderer_of(example).tools)
+        except ValueError as error:
+            return TemplateReport(error=str(error))
 
     # -------------------------------------------------------------------------------- by hand
     def step(self, ep: Episode) -> None:
@@ -241,9 +259,10 @@ class EpisodeRunner:
 
 
 class EpisodeHandle:
-    """An episode stepped by hand, what `s.episode(example)` returns: `step()` samples the next turn (stopping at a
-    tool call) or runs the pending calls and appends their results; `run_tools()` runs them without appending
-    (edit `pending_tool_results`, then `step()`); `reward()` ends and scores it. Everything else is its `record`'s
+    """An episode stepped by hand, what `s.episode(example)` returns: `step()` samples the next turn (to its end, or to
+    its first call with a parser that stops there) or runs the pending calls and appends their results;
+    `run_tools()` runs them without appending (edit `pending_tool_results`, then `step()`); `reward()` ends and
+    scores it. Everything else is its `record`'s
     (an `Episode`: `ep.turns`, `ep.pending_tool_calls`, `ep.final_text`, ...); `show()` and `to_pandas()` decode
     with the session's tokenizer."""
 

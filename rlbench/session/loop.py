@@ -475,7 +475,7 @@ class Session:
 
     def episode(self, example: dict | None = None, *, greedy: bool = False):
         """A new episode of an agentic task to step by hand (`rl.agents.EpisodeHandle`): `ep.step()` samples a turn
-        (stopping at a tool call), `ep.pending_tool_calls` can be edited, the next `ep.step()` runs the tools and
+        (with its tool calls), `ep.pending_tool_calls` can be edited, the next `ep.step()` runs the tools and
         appends their results; `ep.show()`, `ep.to_pandas()`, `ep.reward()`. Default example: the first test one."""
         example = example if example is not None else (self.task.test or self.task.train)[0]
         return self.workers.episode(example, greedy=greedy, version=self.state.step_count,

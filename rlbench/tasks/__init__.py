@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
+from rlbench.agents.parsers import HermesParser
 from rlbench.models.chat import encode_prompt, render_prompt
 from rlbench.tasks.agent import AgentTask
 from rlbench.tasks.calculator import Calculator, calculator_split
@@ -35,8 +36,9 @@ def calculator(max_turns: int = 3, tool_timeout_s: float = 5.0) -> AgentTask:
     """Two-digit multiplication with a `calc` tool (`rl.tasks.calculator.Calculator`): the built-in agentic task,
     made for the `tiny-tools` model (200 held-out problems)."""
     train, test = calculator_split()
+    # tiny-tools was warm-started on turns that end at the call's </tool_call> (the template writes what follows)
     return AgentTask(train, test, env=Calculator, max_turns=max_turns, tool_timeout_s=tool_timeout_s,
-                     name="calculator")
+                     parser=HermesParser(stop_at_call=True), name="calculator")
 
 
 _BUILTINS: dict[str, Callable[..., Task]] = {

@@ -215,8 +215,9 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
     else:
         builds.append(samplers[0].start_build("sampler", factory, [kwargs]))
     if agentic:
-        builds.append(last.start_build("envs", EnvPool, [dict(env=task.env, tools=task.tools, reward=task.reward,
-                                                              system=task.system, tool_timeout_s=task.tool_timeout_s)]))
+        builds.append(last.start_build("envs", EnvPool, [dict(
+            env=task.env, tools=task.tools, reward=task.reward, system=task.system, tool_timeout_s=task.tool_timeout_s,
+            route=task.route, tool_concurrency=task.tool_concurrency)]))
     else:
         builds.append(last.start_build("rewards", TaskScorer, [dict(
             task=task, on_error=cfg.on_reward_error, timeout_s=cfg.reward_timeout_s, workers=cfg.reward_workers,
@@ -258,8 +259,9 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
 def _episode_runner(cfg: Config, task, model_dir: str, tokenizer, sampler: SamplerHandle,
                     envs: EnvHandle) -> EpisodeRunner:
     """The driver of an agentic task's episodes: each turn samples with the session's settings (greedy on
-    request), stopping at EOS or the end of a tool call, and keeps its KV cache for the episode's next turn (HF;
-    vLLM's prefix cache does the same)."""
+    request), stopping at EOS or the parser's stop strings (the end of a tool call, for a parser that stops there),
+    and keeps its KV cache for the episode's next turn (HF; vLLM's prefix cache does the same). Each environment's
+    episodes render their prompts with its own tools."""
     parser = get_parser(task.parser)
     stops = []
     for text in parser.stop:  # a stop string the tokenizer has as one token stops the sampler there
@@ -273,9 +275,10 @@ def _episode_runner(cfg: Config, task, model_dir: str, tokenizer, sampler: Sampl
         return sampler.generate_ids(contexts, params)
 
     context = task.max_context_tokens or models.prompt_room(model_dir, 0) or cfg.max_new_tokens * task.max_turns * 4
-    return EpisodeRunner(sample, Renderer(tokenizer, info["schemas"]), parser, envs, tokenizer,
-                         max_turns=task.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=context,
-                         game=info["game"])
+    renderers = {name: Renderer(tokenizer, schemas) for name, schemas in info["schemas"].items()}
+    return EpisodeRunner(sample, renderers, parser, envs, tokenizer, max_turns=task.max_turns,
+                         max_new_tokens=cfg.max_new_tokens, max_context=context, game=info["game"],
+                         route=info["route"])
 
 
 def _close_groups(groups: list[WorkerGroup], on_ray: bool) -> None:
