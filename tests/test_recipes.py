@@ -98,7 +98,7 @@ def test_arithmetic_recipe_target_is_measured_and_honest():
 def test_calculator_recipe_target_is_measured_and_honest():
     recipe = recipes.load(ALGORITHMS / "grpo" / "calculator-tiny.toml")
     assert recipe.target.source.startswith("rlbench measured")
-    assert recipe.target.passed(0.665) and not recipe.target.passed(0.66)  # 0.815 - 0.15; the model starts at 0.22
+    assert recipe.target.passed(0.665) and not recipe.target.passed(0.66)  # 0.815 - 0.15; the model starts at 0.20
     task = recipe.session_kwargs()["task"]
     assert task.name == "calculator" and isinstance(task, rl.tasks.AgentTask) and len(task.test) == 200
 

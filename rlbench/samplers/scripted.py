@@ -1,11 +1,14 @@
 """A sampler that replays scripted turns: environments, parsing, masks and rewards, testable without a model.
 
-    sampler = ScriptedSampler(tokenizer, lambda context: '<tool_call>{"name": "calc", ...}</tool_call>')
-    s = rl.Session(task=task, sampler=sampler, cluster="inline")
+    tokenizer = rl.models.load_tokenizer(rl.models.resolve("tiny-tools"))   # a built-in model's tokenizer
+    sampler = ScriptedSampler(tokenizer, lambda context: "12" if "R:" in context else
+                              '<tool_call>{"name": "calc", "arguments": {"expression": "3*4"}}</tool_call>', eos=True)
+    s = rl.Session(model="tiny-tools", task=task, sampler=sampler, cluster="inline", max_new_tokens=64)
 
 `respond(context_text)` gives the next completion of a context (text, or token ids) from the text the sampler
 was handed; what it returns is cut at the first stop token (EOS or the call's `stop_token_ids`) or at
-max_new_tokens, like a real sampler's. Token i of a completion gets log-prob -(i + 1) / 100, so a test can
+max_new_tokens, like a real sampler's; with `eos=True` one that has no stop token ends with EOS (a final answer
+written as text). Token i of a completion gets log-prob -(i + 1) / 100, so a test can
 tell where each sampled token went.
 """
 
@@ -22,8 +25,10 @@ from rlbench.samplers.base import SamplingParams
 class ScriptedSampler:
     """The Sampler protocol over a function of the context's text (see the module docstring)."""
 
-    def __init__(self, tokenizer, respond: Callable[[str], str | list[int]]):
-        self.tokenizer, self.respond = tokenizer, respond
+    def __init__(self, tokenizer, respond: Callable[[str], str | list[int]], *, eos: bool = False):
+        self.tokenizer, self.respond, self.eos = tokenizer, respond, eos
+        """`eos`: a completion with no stop token in it ends with the tokenizer's EOS (a script writes its final
+        answers as text, without the EOS id; a tool call still ends at its stop token)."""
         self.calls: list[list[str]] = []
         """The contexts of every `generate` call, as text (what the sampler was asked to continue)."""
 
@@ -35,6 +40,8 @@ class ScriptedSampler:
         for context in contexts:
             out = self.respond(context)
             ids = list(out) if not isinstance(out, str) else self.tokenizer.encode(out, add_special_tokens=False)
+            if self.eos and not stops.intersection(ids):
+                ids.append(self.tokenizer.eos_token_id)
             end = next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
             rows += [ids[: min(end, params.max_new_tokens)]] * params.n
         T = max([len(r) for r in rows] + [1])
