@@ -119,6 +119,13 @@ class Config:
     """Recompute each transformer block's activations in the policy's backward instead of keeping them:
     activation memory of one block instead of all, for about a third more update compute. The same
     gradients."""
+    logit_chunk_tokens: int | None = None
+    """How many tokens the output head (the vocabulary projection), log-softmax and entropy take at a time in the
+    policy's and reference's forwards. N: chunks of N tokens, each recomputed in the backward instead of kept, so
+    that a micro-batch never holds its `tokens x vocabulary` logits (32k tokens of a 151k vocabulary: over 60 GB
+    with their softmax and gradient; 4096-token chunks: 2.5 GB), for one more head matmul in the backward; the
+    same numbers up to float rounding. 0: the whole micro-batch at once. None (auto): 4096 where a micro-batch's
+    fp32 logits would take more than 1 GiB, else 0."""
     lora: Any = None
     """LoRA adapters on the policy (`rl.LoRA(rank=16, alpha=32, target_modules="all-linear")`, or a recipe's `[lora]`
     table of the same keys; None: every weight trains). Only the adapter trains and sits in the optimizer; the
@@ -241,7 +248,7 @@ class Config:
                      "rollout_workers"]:
             self._require(name, lambda v: v > 0, "a positive integer")
         for name in ["lr_warmup_steps", "top_k", "threads", "save_every", "keep_last", "max_skipped_updates",
-                     "max_staleness"]:
+                     "max_staleness", "logit_chunk_tokens"]:
             self._require(name, lambda v: v >= 0, "an integer >= 0")
         for name in ["max_prompt_tokens", "vllm_kv_cache_bytes", "vllm_max_model_len"]:
             self._require(name, lambda v: v > 0, "an integer > 0 or None")

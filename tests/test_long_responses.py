@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM
 
 import rlbench as rl
 from rlbench.batch import Batch, left_pad
-from rlbench.policy import Critic, Policy, response_outputs
-from rlbench.policy.forward import PACKED_MASK_BYTES, packed_mask_bytes, packing_pays
+from rlbench.policy import Critic, Policy, response_logits, response_outputs
+from rlbench.policy.forward import (LOGIT_CHUNK_TOKENS, PACKED_MASK_BYTES, chunk_tokens_for, packed_mask_bytes,
+                                    packing_pays, response_stats)
 from rlbench.policy.training import OptimSettings
 
 GRPO = rl.algorithms.get("grpo").replace(kl_coef=0.0)
@@ -191,3 +192,71 @@ def test_the_long_responses_benchmark_runs_both_paths_in_quick_mode():
         assert row["packed_mask_mb"] == round(4 * row["packed_width"] ** 2 / 2**20, 1)
     assert summary["summary"] and summary["per_sample"]["lengths"] == [16, 32]
     assert set(summary["per_sample"]["exponents"]) >= {"update_s", "peak_rss_mb", "rollout_us_per_token"}
+
+
+@pytest.mark.parametrize("attention", ["packed", "per_sample"])
+def test_chunked_head_gives_the_log_probs_entropies_and_gradients_of_the_whole_logits(tiny, attention):
+    # chunks of 5 tokens (not dividing the batch's B·T = 6 x 12 positions), temperature 0.7; the loss uses both
+    # statistics, so the entropy's gradient flows through the recomputed chunks too
+    model, _ = tiny
+    batch = grouped_batch([[5, 6, 7], [8, 9]], [[12, 8, 10], [11, 5, 3]], shared=2)
+    mask_B_T, adv_B_T = batch["response_mask"].bool(), batch["advantages"]
+
+    def statistics_and_grads(chunk_tokens: int):
+        model.zero_grad()
+        if chunk_tokens:
+            logp_B_T, entropy_B_T = response_stats(model, batch, temperature=0.7, chunk_tokens=chunk_tokens,
+                                                   attention=attention).unbind(-1)
+        else:
+            logits_B_T_V = response_logits(model, batch, 0.7, attention)
+            logp_B_T = rl.algorithms.token_logp(logits_B_T_V, batch["response_ids"])
+            entropy_B_T = rl.algorithms.entropy_from_logits(logits_B_T_V)
+        ((logp_B_T * adv_B_T + 0.1 * entropy_B_T)[mask_B_T].sum() / mask_B_T.sum()).backward()
+        return logp_B_T.detach(), entropy_B_T.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    whole, chunked = statistics_and_grads(0), statistics_and_grads(5)
+    model.zero_grad(set_to_none=True)
+    # 1e-5 (and rtol): the head's matmul over other shapes of rows, summed in another order
+    assert_close(chunked[0][mask_B_T], whole[0][mask_B_T], atol=1e-5, rtol=1e-5)
+    assert_close(chunked[1][mask_B_T], whole[1][mask_B_T], atol=1e-5, rtol=1e-5)
+    for name, grad in whole[2].items():
+        assert_close(chunked[2][name], grad, atol=1e-5, rtol=1e-5, msg=name)
+    assert type(model.get_output_embeddings()).forward is model.get_output_embeddings().forward.__func__  # restored
+
+
+def test_chunked_head_never_holds_a_micro_batchs_logits(tiny_dir):
+    # 4 rows of 300 response tokens: the whole head keeps 1200 x V logits (and their softmax) for the backward; in
+    # chunks of 64 tokens nothing over the vocabulary is kept, each chunk's logits are recomputed in the backward.
+    # Then the update through `Policy.forward_backward`: the gradients of the whole head
+    batch = grouped_batch([[5, 6, 7]], [[300] * 4], shared=0)
+    policy = Policy(tiny_dir, OptimSettings(lr=1e-3), attention="per_sample", logit_chunk_tokens=64)
+    vocab = policy.model.config.vocab_size
+
+    def kept_over_the_vocabulary(chunk_tokens: int) -> list[int]:
+        kept = []
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.shape[-1] == vocab:
+                kept.append(tensor.numel() // vocab)
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            if chunk_tokens:
+                response_stats(policy.model, batch, temperature=1.0, chunk_tokens=chunk_tokens, attention="per_sample")
+            else:
+                logits_B_T_V = response_logits(policy.model, batch, 1.0, "per_sample")
+                rl.algorithms.token_logp(logits_B_T_V, batch["response_ids"])
+                rl.algorithms.entropy_from_logits(logits_B_T_V)
+        return kept
+    assert max(kept_over_the_vocabulary(0)) >= 1200  # the whole head: every position's logits are kept
+    assert kept_over_the_vocabulary(64) == []
+    plain, chunked = (update_gradients(Policy(tiny_dir, OptimSettings(lr=1e-3), attention="per_sample",
+                                              logit_chunk_tokens=chunk), batch) for chunk in (0, 64))
+    for name, grad in plain.items():
+        assert_close(chunked[name], grad, atol=1e-5, rtol=1e-5, msg=name)  # the loss through policy.forward_backward
+
+
+def test_logit_chunks_auto_turn_on_where_a_micro_batchs_logits_pass_a_gibibyte():
+    assert chunk_tokens_for(None, 4096, 259) == 0  # tiny-arith: 4 MiB of logits
+    assert chunk_tokens_for(None, 32768, 151936) == LOGIT_CHUNK_TOKENS  # the GSM8K recipe: 18.5 GiB
+    assert chunk_tokens_for(0, 32768, 151936) == 0 and chunk_tokens_for(512, 64, 259) == 512
+    with pytest.raises(ValueError, match="logit_chunk_tokens=-1"):
+        chunk_tokens_for(-1, 4096, 259)

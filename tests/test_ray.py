@@ -97,6 +97,19 @@ def test_overlapped_rollouts_on_ray_match_inline(tiny_dir):
                      atol=1e-4, msg=column)  # 1e-4: 2 ranks reduce in another order
 
 
+def test_two_ranks_with_a_chunked_head_match_the_whole_head_inline(tiny_dir):
+    # the chunked head inside FSDP2's forward (its weights gathered there, its gradient reduced with the rest), for
+    # the policy and the reference (GRPO's KL term), against one rank with the whole logits
+    small = CONFIG | dict(prompts_per_step=4, samples_per_prompt=4)
+    with rl.Session(**small, cluster="inline", threads=1) as inline:
+        expected = inline.run(2, progress=False)
+    with rl.Session(**small, cluster="ray", world_size=2, logit_chunk_tokens=7) as chunked:
+        metrics = chunked.run(2, progress=False)
+    for column in ["loss", "kl_loss", "grad_norm", "entropy", "sampler_mismatch_max"]:
+        assert_close(torch.tensor(metrics[column].values), torch.tensor(expected[column].values),
+                     atol=1e-4, msg=column)  # 1e-4: 2 ranks reduce in another order
+
+
 @pytest.mark.parametrize("algorithm, placement", [("ppo", "separate"), ("ppo", "colocated"),
                                                   ("reinforce_pp", "separate")])
 def test_critic_and_reference_workers(tiny_dir, algorithm, placement):

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from rlbench.algorithms import teacher_topk, token_logp, token_logp_and_sum_pi2
+from rlbench.algorithms import entropy_from_logits, teacher_topk, token_logp, token_logp_and_sum_pi2
 from rlbench.batch import Batch
 
 
@@ -26,10 +28,28 @@ PAIRS_PER_TOKEN x hidden_size query-key pairs (measured on tiny-arith, hidden si
 on one CPU thread: about 800 pairs per token)."""
 MASKED_ATTENTION = ("eager", "sdpa")
 """Attention implementations that honour the packed layout's 4-D additive mask (flash attention ignores it)."""
+LOGIT_CHUNK_TOKENS = 4096
+"""`logit_chunk_tokens=None` (auto) chunks by this many tokens where a micro-batch's fp32 logits would take more
+than `LOGIT_BYTES`."""
+LOGIT_BYTES = 2**30
 
 
-def response_outputs(model, batch: Batch, attention: str = "auto") -> torch.Tensor:
-    """The model's outputs at the positions that predict each response token, `[B, T, F]` in fp32.
+def chunk_tokens_for(setting: int | None, micro_batch_tokens: int, vocab: int) -> int:
+    """The chunk `setting` (`Config.logit_chunk_tokens`) asks for: N > 0 itself, 0 none; None: `LOGIT_CHUNK_TOKENS`
+    where a micro-batch's fp32 logits (micro_batch_tokens x vocab x 4 bytes) would take more than `LOGIT_BYTES`,
+    else none."""
+    if setting is not None:
+        if setting < 0:
+            raise ValueError(f"logit_chunk_tokens={setting}: give a number of tokens > 0, 0 (off) or None (auto)")
+        return setting
+    return LOGIT_CHUNK_TOKENS if micro_batch_tokens * vocab * 4 > LOGIT_BYTES else 0
+
+
+def response_outputs(model, batch: Batch, attention: str = "auto",
+                     head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The model's outputs at the positions that predict each response token, `[B, T, F]` in fp32; with `head`,
+    what `head` makes of the hidden states there, `[B·T, H]` -> `[B·T, F]`, in place of the output embedding's
+    logits (`response_stats`).
 
     For a causal LM F is the vocabulary (logits); for a critic's value head F is 1 (the value of the state
     before each token). Outputs past a row's last response token are those of other positions: mask them.
@@ -51,8 +71,8 @@ def response_outputs(model, batch: Batch, attention: str = "auto") -> torch.Tens
                          f"({' or '.join(MASKED_ATTENTION)}); this model uses {implementation!r}, which would "
                          f"ignore it (every token would see the other samples): use attention='per_sample'")
     if attention == "per_sample" or (attention == "auto" and not packing_pays(model, batch)):
-        return _per_sample_outputs(model, batch)
-    return _packed_outputs(model, batch)
+        return _per_sample_outputs(model, batch, head)
+    return _packed_outputs(model, batch, head)
 
 
 def packing_pays(model, batch: Batch) -> bool:
@@ -88,7 +108,7 @@ def _packed_size(batch: Batch) -> tuple[int, int]:
     return slots, max(longest, min(slots, 2 * PACK_WIDTH))
 
 
-def _packed_outputs(model, batch: Batch) -> torch.Tensor:
+def _packed_outputs(model, batch: Batch, head=None) -> torch.Tensor:
     """`response_outputs` in the shared-prefix layout.
 
     No compute goes to padding, nor to any context more than once. Consecutive rows with the same prompt
@@ -113,12 +133,11 @@ def _packed_outputs(model, batch: Batch) -> torch.Tensor:
         column_W[None, :, None] < (column_W + span_R_W)[:, None, :])
     bias_R_1_W_W = torch.zeros((R, 1, W, W), device=ids_N.device).masked_fill_(
         ~allowed_R_W_W[:, None], torch.finfo(torch.float32).min)
-    out_R_W_F = model(input_ids=ids_N.view(R, W), position_ids=position_N.view(R, W), attention_mask=bias_R_1_W_W,
-                      use_cache=False).logits
-    return out_R_W_F.flatten(0, 1)[predictor_B_T].float()
+    return _outputs_at(model, predictor_B_T, head, input_ids=ids_N.view(R, W), position_ids=position_N.view(R, W),
+                       attention_mask=bias_R_1_W_W)
 
 
-def _per_sample_outputs(model, batch: Batch) -> torch.Tensor:
+def _per_sample_outputs(model, batch: Batch, head=None) -> torch.Tensor:
     """`response_outputs` with each row on its own: its prompt's real tokens then its response, moved to the
     row's start (right padding, token 0), through plain causal attention. Nothing after a real token changes
     what it sees, so no mask is needed and none is built: with "sdpa" or flash attention, memory grows
@@ -131,12 +150,66 @@ def _per_sample_outputs(model, batch: Batch) -> torch.Tensor:
     order_B_S = torch.sort((~real_B_S).to(torch.uint8), dim=1, stable=True).indices
     L = max(int(real_B_S.sum(-1).max()), 1)
     ids_B_L = (ids_B_S.gather(1, order_B_S[:, :L]) * real_B_S.gather(1, order_B_S[:, :L])).long()
-    out_B_L_F = model(input_ids=ids_B_L, use_cache=False).logits
     # response token t is predicted by the row's position prompt_len + t - 1 (past the row's end: any)
     T = batch["response_ids"].shape[1]
     prompt_len_B = batch["prompt_mask"].sum(-1)
     predictor_B_T = (prompt_len_B[:, None] - 1 + torch.arange(T, device=ids_B_L.device)).clamp(0, L - 1)
-    return out_B_L_F.gather(1, predictor_B_T[..., None].expand(-1, -1, out_B_L_F.shape[-1])).float()
+    row_B_1 = torch.arange(len(ids_B_L), device=ids_B_L.device)[:, None]
+    return _outputs_at(model, row_B_1 * L + predictor_B_T, head, input_ids=ids_B_L)
+
+
+def _outputs_at(model, predictor_B_T: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None,
+                **inputs) -> torch.Tensor:
+    """The model's outputs `[B, T, F]` (fp32) at the flat positions `predictor_B_T` of its input `[R, W]`; with
+    `head`, what `head` makes of the hidden states there `[B·T, H]`, computed in place of the model's output
+    embedding (inside its forward, where sharded weights are gathered)."""
+    if head is None:
+        out_R_W_F = model(**inputs, use_cache=False).logits
+        return out_R_W_F.flatten(0, 1)[predictor_B_T].float()
+    output_embedding = model.get_output_embeddings()
+    output_embedding.forward = lambda hidden_R_W_H: head(hidden_R_W_H.flatten(0, 1)[predictor_B_T.reshape(-1)])
+    try:
+        return model(**inputs, use_cache=False).logits.view(*predictor_B_T.shape, -1)
+    finally:
+        del output_embedding.forward  # its class's forward again
+
+
+def response_stats(model, batch: Batch, *, temperature: float, chunk_tokens: int, attention: str = "auto",
+                   sum_pi2: bool = False) -> torch.Tensor:
+    """Per response token `[B, T, 2]` (`[B, T, 3]` with `sum_pi2`): its log-prob, the entropy of its distribution
+    (and `Σ_v π_v²`), from logits scaled by 1/temperature, without ever holding the `[B, T, V]` logits: the model's
+    output head runs on `chunk_tokens` positions at a time, and under autograd each chunk is checkpointed, so the
+    backward recomputes that chunk's logits instead of keeping them. Memory of one chunk's logits rather than a
+    micro-batch's (4096 tokens of a 151k vocabulary: 2.5 GB in fp32; 32k tokens' logits, softmax and gradient take
+    over 60 GB), for one more head matmul in the backward. The numbers of `token_logp` and `entropy_from_logits` on
+    `response_logits`, up to float rounding."""
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(f"logit_chunk_tokens: {type(model).__name__} caps its logits after the output head "
+                         f"(final_logit_softcapping), which a chunked head would skip; set logit_chunk_tokens=0")
+    ids_N = batch["response_ids"].reshape(-1)
+
+    def head(hidden_N_H: torch.Tensor) -> torch.Tensor:
+        output_embedding = model.get_output_embeddings()  # read here: inside the forward its weights are whole
+        chunks = []
+        for start in range(0, len(ids_N), chunk_tokens):
+            args = (hidden_N_H[start : start + chunk_tokens], output_embedding.weight, output_embedding.bias,
+                    ids_N[start : start + chunk_tokens], temperature, sum_pi2)
+            chunks.append(checkpoint(_head_stats, *args, use_reentrant=False) if torch.is_grad_enabled()
+                          else _head_stats(*args))
+        return torch.cat(chunks)
+    return response_outputs(model, batch, attention, head=head)
+
+
+def _head_stats(hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor, bias_V: torch.Tensor | None, ids_N: torch.Tensor,
+                temperature: float, sum_pi2: bool) -> torch.Tensor:
+    """`[N, 2]` (`[N, 3]`): log-prob of `ids_N`, entropy (and `Σ_v π_v²`) from these positions' logits."""
+    logits_N_V = F.linear(hidden_N_H, weight_V_H, bias_V).float()
+    if temperature not in (0, 1):
+        logits_N_V = logits_N_V / temperature
+    if sum_pi2:
+        logp_N, pi2_N = token_logp_and_sum_pi2(logits_N_V, ids_N)
+        return torch.stack([logp_N, entropy_from_logits(logits_N_V), pi2_N], -1)
+    return torch.stack([token_logp(logits_N_V, ids_N), entropy_from_logits(logits_N_V)], -1)
 
 
 def _check_response_mask(batch: Batch) -> None:
@@ -281,12 +354,17 @@ def response_logits(model, batch: Batch, temperature: float = 1.0, attention: st
 
 def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: int, world_size: int = 1,
                device: str | torch.device = "cpu", attention: str = "auto", sum_pi2: bool = False, topk: int = 0,
-               vocab: int | None = None) -> torch.Tensor:
+               vocab: int | None = None, chunk_tokens: int = 0) -> torch.Tensor:
     """Log-probs of every response token of `batch`, `[B, T]` on CPU (0 on padding), in micro-batches; with
     `sum_pi2`, `[B, T, 2]`: the log-probs and `Σ_v π_v²` of each token from the same forward (what OTB reads);
     with `topk` = k, `[B, T, 1 + 2k]`: the log-probs, then the model's k most likely tokens' log-probs and their ids
-    (as floats, exact below 2^24) among the first `vocab` ids (a distillation teacher's, `teacher_topk`)."""
+    (as floats, exact below 2^24) among the first `vocab` ids (a distillation teacher's, `teacher_topk`).
+    `chunk_tokens` > 0: the output head `chunk_tokens` positions at a time (`response_stats`; not with `topk`)."""
     def logp(micro: Batch) -> torch.Tensor:
+        if chunk_tokens and not topk:
+            stats_B_T_S = response_stats(model, micro, temperature=temperature, chunk_tokens=chunk_tokens,
+                                         attention=attention, sum_pi2=sum_pi2)
+            return stats_B_T_S[..., [0, 2]] if sum_pi2 else stats_B_T_S[..., 0]
         logits_B_T_V = response_logits(model, micro, temperature, attention)
         if sum_pi2:
             return torch.stack(token_logp_and_sum_pi2(logits_B_T_V, micro["response_ids"]), -1)

@@ -20,7 +20,8 @@ from rlbench import models
 from rlbench.batch import Batch
 from rlbench.models import lora as lora_adapters
 from rlbench.policy import checkpoint
-from rlbench.policy.forward import batch_logp, rank_micro_batches, response_logits
+from rlbench.policy.forward import (batch_logp, chunk_tokens_for, rank_micro_batches, response_logits,
+                                   response_stats)
 from rlbench.policy.training import (
     Optimizer,
     OptimSettings,
@@ -53,13 +54,15 @@ class Policy:
     def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, temperature: float = 1.0, micro_batch_tokens: int = 4096,
                  device: str = "cpu", precision: str = "fp32", attention: str = "auto",
-                 activation_checkpointing: bool = False, lora: lora_adapters.LoRA | None = None, seed: int = 0):
+                 activation_checkpointing: bool = False, lora: lora_adapters.LoRA | None = None, seed: int = 0,
+                 logit_chunk_tokens: int | None = None):
         init_process_group(rank, world_size, init_method, device)
         self.rank, self.world_size = rank, world_size
         self.temperature, self.micro_batch_tokens, self.device = temperature, micro_batch_tokens, device
         self.precision, self.attention = precision, attention
         self.model_dir, self.lora = model_dir, lora
         model = models.from_pretrained(AutoModelForCausalLM, model_dir)
+        self.chunk_tokens = chunk_tokens_for(logit_chunk_tokens, micro_batch_tokens, model.config.vocab_size)
         use_precision(model, precision, device)
         if lora is not None:  # the base frozen, only the adapter trains (and sits in the optimizer)
             model = lora_adapters.wrap(model, lora, seed)
@@ -80,7 +83,8 @@ class Policy:
         `[B, T, 2]`: and `Σ_v π_v²` per response token from the same forward (what OTB reads)."""
         with autocast(self.precision, self.device):
             return batch_logp(self.model, batch, temperature=self.temperature, micro_batch_tokens=self.micro_batch_tokens,
-                              world_size=self.world_size, device=self.device, attention=self.attention, sum_pi2=sum_pi2)
+                              world_size=self.world_size, device=self.device, attention=self.attention, sum_pi2=sum_pi2,
+                              chunk_tokens=self.chunk_tokens)
 
     def reference_log_probs(self, batch: Batch) -> torch.Tensor:
         """Under LoRA, the reference policy's log-probs `[B, T]`: this model with its adapter off, which is
@@ -135,10 +139,16 @@ class Policy:
         return self.forward_backward(batch, algorithm, **counts), self.optim_step()
 
     def _micro_loss(self, micro: Batch, algorithm: alg.Algorithm, **counts) -> dict[str, torch.Tensor]:
+        chunked = self.chunk_tokens and not algorithm.forward_kl_coef  # distillation reads the logits themselves
         with autocast(self.precision, self.device):
-            logits_B_T_V = response_logits(self.model, micro, self.temperature, self.attention)
-        entropy_B_T = alg.entropy_from_logits(logits_B_T_V)
-        logp_B_T = alg.token_logp(logits_B_T_V, micro["response_ids"])
+            if chunked:
+                logp_B_T, entropy_B_T = response_stats(self.model, micro, temperature=self.temperature,
+                                                       chunk_tokens=self.chunk_tokens, attention=self.attention).unbind(-1)
+            else:
+                logits_B_T_V = response_logits(self.model, micro, self.temperature, self.attention)
+        if not chunked:
+            entropy_B_T = alg.entropy_from_logits(logits_B_T_V)
+            logp_B_T = alg.token_logp(logits_B_T_V, micro["response_ids"])
         if "old_logp" not in micro:  # Config.on_policy_old_logp: these weights sampled the batch, old_logp is this forward's
             old_logp_B_T = logp_B_T.detach()
             mismatch = alg.mismatch_metrics(old_logp_B_T, micro["sampler_logp"], loss_mask(micro))

@@ -197,15 +197,16 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
     # the worker that runs model-written code (rewards, tools) with run_python, in the session's sandbox mode
     last = group("envs" if agentic else "rewards", 1, env={"RLBENCH_SANDBOX": cfg.sandbox} if cfg.sandbox else None)
 
+    heads = dict(precision=cfg.precision, logit_chunk_tokens=cfg.logit_chunk_tokens)  # the causal LMs' forwards
     builds = [policy.start_build("policy", Policy, ranks(
-        policy, optim=optim, temperature=cfg.temperature, precision=cfg.precision,
-        activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora, seed=cfg.seed))]
+        policy, optim=optim, temperature=cfg.temperature, activation_checkpointing=cfg.activation_checkpointing,
+        lora=cfg.lora, seed=cfg.seed, **heads))]
     if "reference" in on:
         builds.append(on["reference"].start_build("reference", Reference, ranks(on["reference"],
-                                                                                temperature=cfg.temperature)))
+                                                                                temperature=cfg.temperature, **heads)))
     if "teacher" in on:  # its top-k stays within the policy's ids (a larger embedding's padding rows)
         builds.append(on["teacher"].start_build("teacher", Reference, ranks(
-            on["teacher"], model_dir=teacher_dir, temperature=cfg.temperature, vocab=len(tokenizer))))
+            on["teacher"], model_dir=teacher_dir, temperature=cfg.temperature, vocab=len(tokenizer), **heads)))
     if "critic" in on:
         builds.append(on["critic"].start_build("critic", Critic, ranks(on["critic"], seed=cfg.seed, optim=dataclasses.replace(
             optim, lr=cfg.critic_lr or cfg.lr))))
