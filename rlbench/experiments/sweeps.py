@@ -189,9 +189,9 @@ class Sweep:
             for job in jobs:
                 yield train_run(*job, threads=None, keep_checkpoints=self.keep_checkpoints)
             return
+        acquire_ray(self.cluster or Ray(), cpus_needed=self.cpus_per_run)  # names the package when Ray is missing
         import ray
 
-        acquire_ray(self.cluster or Ray(), cpus_needed=self.cpus_per_run)
         pending: dict = {}
         try:
             gpus = self.gpus_per_run if self.gpus_per_run is not None else min(ray.cluster_resources().get("GPU", 0), 1)

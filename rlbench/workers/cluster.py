@@ -16,6 +16,7 @@ it joins that cluster and only disconnects.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
 import socket
@@ -256,7 +257,12 @@ def worker_runtime_env(env: dict[str, str] | None = None) -> dict | None:
 
 def acquire_ray(spec: Ray, cpus_needed: float) -> None:
     """Make Ray usable by a new session: reuse this process's Ray, join a given cluster, or start a
-    private local one. Pair with `release_ray()`."""
+    private local one. Pair with `release_ray()`. ModuleNotFoundError naming the package when Ray is not installed
+    (a GPU image without it: benchmarks/gpu/README.md)."""
+    if "ray" not in sys.modules and importlib.util.find_spec("ray") is None:
+        raise ModuleNotFoundError("cluster='ray' needs the ray package, which is not installed here: "
+                                  "`pip install 'ray>=2.40'` (a dependency of rlbench that an install with --no-deps "
+                                  "leaves out), or use cluster='inline'", name="ray")
     address = spec.address or os.environ.get("RAY_ADDRESS")
     if not address and "ray" not in sys.modules:
         _private_settings()  # Ray reads these settings when imported
