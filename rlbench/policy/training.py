@@ -116,12 +116,13 @@ def autocast(precision: str, device: str):
     return torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
 
-def shard(model: torch.nn.Module, world_size: int, device: str = "cpu") -> torch.nn.Module:
+def shard(model: torch.nn.Module, world_size: int, device: str = "cpu", *, even_alone: bool = False) -> torch.nn.Module:
     """FSDP2 over a one-dimensional mesh of `device` ("cpu": gloo, "cuda": NCCL): each transformer block,
     then the root. At world size 1 the model stays unsharded: one-rank FSDP2 would only add its hooks and
-    DTensor dispatch (a fifth of tiny-arith's update time), and its checkpoints load either way."""
+    DTensor dispatch (a fifth of tiny-arith's update time), and its checkpoints load either way; `even_alone`
+    shards it all the same, on the code path of N ranks (in a process group of one, which the caller made)."""
     model.to(device)
-    if world_size == 1:
+    if world_size == 1 and not even_alone:
         return model
     mesh = init_device_mesh(device, (world_size,))
     for module in model.modules():
