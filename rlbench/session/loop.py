@@ -26,7 +26,7 @@ from rlbench.runs.progress import bar as progress_bar
 from rlbench.runs.sinks import make_sinks
 from rlbench.samplers import SamplingParams
 from rlbench.session import interrupts, preflight, resume, sources
-from rlbench.session.metrics import accuracy, at_k, batch_metrics
+from rlbench.session.metrics import accuracy, alarms, at_k, batch_metrics
 from rlbench.session.state import SessionState, mix
 from rlbench.workers.build import start_workers
 from rlbench.workers.cluster import WorkerDied
@@ -38,11 +38,13 @@ class Session:
     def __init__(self, config: Config | None = None, **overrides):
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be an rl.Config or None, got {type(config).__name__}")
-        self.config = cfg = make_config(**(config.to_dict() if config else {}) | overrides)
+        settings, task, self.task_settings = preflight.task_settings(config, overrides)
+        """The settings this session took from its task (`rl.tasks.settings_of`), those it was not given."""
+        self.config = cfg = make_config(**settings)
         for moved in preflight.flat_keywords(cfg, overrides):
             warnings.warn(moved, DeprecationWarning, stacklevel=2)
         self.algorithm = preflight.with_correction(algorithms.get(cfg.algorithm), cfg)
-        self.task, self.model_dir, self.tokenizer = preflight.prepare(cfg, self.algorithm)
+        self.task, self.model_dir, self.tokenizer = preflight.prepare(cfg, self.algorithm, task)
         self.teacher_dir = preflight.teacher(cfg, self.tokenizer, self.task)
         self.identity = {"model": self.model_dir, "tokenizer": f"{type(self.tokenizer).__name__}, {len(self.tokenizer)} tokens",
                          "task": tasks.fingerprint(self.task)}
@@ -78,6 +80,7 @@ class Session:
         self._aborted: str | None = None  # why the session cannot go on (a step stopped midway)
         self._timings: dict[str, float] = {}
         self._tokens_generated = 0  # response tokens sampled since the step began (extra rounds, baselines too)
+        self._alarmed: set[str] = set()  # the kinds of `alarms` already warned of (once each per session)
 
     # the workers, by handle (`self.workers` holds them all; a worker restart, `run(retries=...)`, makes new ones)
     policy = property(lambda self: self.workers.policy, doc="The policy's ranks (`rl.workers.PolicyHandle`).")
@@ -307,6 +310,7 @@ class Session:
                 unwritten = error
         for callback in self.callbacks:
             callback(self, row)
+        self._alarm(alarms(batch, f"step {row['step']}", self.config.max_new_tokens), stacklevel=5)  # step()'s caller
         if stats["skipped"]:
             self.state.record_skipped(stats, self.config.max_skipped_updates)
         if unwritten is not None:
@@ -467,11 +471,19 @@ class Session:
             for mode, params in progress_bar([("greedy", greedy), ("sampled", sampled)], desc=f"{self.run_name} evaluate",
                                              disable=not progress):
                 scored = self.score(self.sample(examples, params))
+                self._alarm(alarms(scored, f"evaluate ({mode})", cfg.max_new_tokens), stacklevel=3)
                 result[f"{mode}_accuracy"] = algorithms.to_float(accuracy(scored).mean())
                 result[f"{mode}_reward"] = algorithms.to_float(scored["score"].mean())
         if samples is not None:
             result |= at_k(scored, len(examples))
         return result
+
+    def _alarm(self, found: dict[str, str], stacklevel: int) -> None:
+        """Warn of each kind of `metrics.alarms` once per session (`stacklevel`: the user's frame, which warns)."""
+        for kind, message in found.items():
+            if kind not in self._alarmed:
+                self._alarmed.add(kind)
+                warnings.warn(message, stacklevel=stacklevel)
 
     def episode(self, example: dict | None = None, *, greedy: bool = False):
         """A new episode of an agentic task to step by hand (`rl.agents.EpisodeHandle`): `ep.step()` samples a turn
@@ -502,9 +514,10 @@ class Session:
     def __repr__(self) -> str:
         cfg = self.config
         teacher = f"teacher={cfg.teacher!r}, " if cfg.teacher is not None else ""
+        taken = "".join(f", {k}={v!r} (the task's)" for k, v in self.task_settings.items())
         return (f"Session(model={cfg.model!r}, task={getattr(self.task, 'name', self.task)!r}, "
-                f"algorithm={self.algorithm.name!r}, {teacher}cluster={cfg.cluster!r}, sampler={self.sampler.choice!r}, "
-                f"step={self.state.step_count})")
+                f"algorithm={self.algorithm.name!r}, {teacher}cluster={cfg.cluster!r}, sampler={self.sampler.choice!r}"
+                f"{taken}, step={self.state.step_count})")
 
 
 # `help(Session)`, tab completion and IDEs show every field of `Config`, its default and its docstring

@@ -83,3 +83,26 @@ def episode_metrics(batch: Batch) -> dict[str, float]:
         "tool_errors_mean": to_float(batch["tool_errors"].float().mean()),
         "tool_success_rate": 1.0 - float(batch["tool_errors"].sum()) / calls if calls else 0.0,
     } | {f"ended_{r}": reasons.count(r) / len(reasons) for r in sorted(set(reasons))}
+
+
+def alarms(batch: Batch, what: str, max_new_tokens: int) -> dict[str, str]:
+    """What a batch says is wrong with the run's settings, by kind, each message starting with `what` ("step 3"):
+    most completions cut at the token limit (agentic: more episodes ended on a turn cut there than tool calls gave a
+    result: a cut call is lost), or, for a batch with advantages, all of them 0 (no sample's score
+    differed from its group's: the policy-gradient term trains on nothing)."""
+    found = {}
+    if "turns" in batch:
+        cut = sum(r == "max_tokens" for r in batch["stop_reason"])
+        results = int(batch["tool_calls"].sum() - batch["tool_errors"].sum())
+        if cut > results:
+            found["max_new_tokens"] = (
+                f"{what}: {cut} of {len(batch)} episodes ended on a turn cut at max_new_tokens={max_new_tokens} (per "
+                f"turn), against {results} tool calls that gave a result: a cut call is lost. Raise max_new_tokens")
+    elif (cut := to_float((~batch["finished"]).float().mean())) > 0.5:
+        found["max_new_tokens"] = (f"{what}: {cut:.0%} of the completions were cut at max_new_tokens={max_new_tokens}, "
+                                   f"before EOS: their rewards score unfinished text. Raise max_new_tokens")
+    if "advantages" in batch and not batch["advantages"].abs().sum():
+        found["advantages"] = (
+            f"{what}: every advantage is 0 (each group's samples scored alike): the update's policy-gradient term "
+            f"trained on nothing. The task may be too hard or too easy for the model, or its reward constant")
+    return found

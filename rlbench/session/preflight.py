@@ -3,6 +3,8 @@ the model. Every failure is a ValueError naming the setting, the example or the 
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlbench import algorithms, models, tasks
 from rlbench.algorithms import Algorithm
 from rlbench.config import Config, grouped_keywords
@@ -23,12 +25,26 @@ def flat_keywords(cfg: Config, keywords: dict) -> list[str]:
     return said
 
 
-def prepare(cfg: Config, algorithm: Algorithm):
+def task_settings(config: Config | None, overrides: dict):
+    """(the session's settings, its task, the settings taken from the task): `config`'s fields and `overrides`, and
+    where neither gives one, the task's own (`rl.tasks.settings_of`: what it needs to learn, e.g. the calculator's
+    turn length). A field of `config` at its default counts as not given. The task is built here, once."""
+    settings = (config.to_dict() if config else {}) | overrides
+    given = set(overrides) | {f.name for f in dataclasses.fields(Config)
+                              if config is not None and getattr(config, f.name) != f.default}
+    task = tasks.get(settings.get("task", Config.task))
+    own = tasks.settings_of(task)
+    if unknown := sorted(set(own) - set(Config.fields())):
+        raise ValueError(f"task {getattr(task, 'name', task)!r} asks for unknown Session setting(s) {unknown}")
+    taken = {k: v for k, v in own.items() if k not in given}
+    return settings | taken, task, taken
+
+
+def prepare(cfg: Config, algorithm: Algorithm, task):
     """(task, model directory, tokenizer) of a checked run: the settings fit the algorithm, every prompt is
     usable (too-long ones refused or dropped), the model's vocabulary covers the tokenizer's and its context
-    the longest prompt plus `max_new_tokens`."""
+    the longest prompt plus `max_new_tokens`. `task`: `cfg.task` built (`task_settings`)."""
     check_algorithm(cfg, algorithm)
-    task = tasks.get(cfg.task)
     if algorithm.needs_turns and not isinstance(task, tasks.AgentTask):
         raise ValueError(f"algorithm {algorithm.name!r} credits each turn of an episode: it needs an agentic task "
                          f"(rl.tasks.AgentTask, e.g. task='calculator'), not {getattr(task, 'name', task)!r}")

@@ -29,7 +29,7 @@ from rlbench.tasks import tool_math
 __all__ = [
     "AgentTask", "Arithmetic", "Countdown", "DataTask", "ListTask", "Multiplication", "Reverse", "Sort", "Task", "check_row",
     "check_prompts", "convert_files", "encode_prompt", "factory", "fingerprint", "from_jsonl", "from_parquet", "get", "limit_prompt_tokens", "longest_prompt_tokens", "names",
-    "prompt_tokens", "read_records", "read_rows", "render_prompt", "shuffled", "split", "write_rows",
+    "prompt_tokens", "read_records", "read_rows", "render_prompt", "settings_of", "shuffled", "split", "write_rows",
 ]
 
 def calculator(max_turns: int = 3, tool_timeout_s: float = 5.0) -> AgentTask:
@@ -37,8 +37,9 @@ def calculator(max_turns: int = 3, tool_timeout_s: float = 5.0) -> AgentTask:
     made for the `tiny-tools` model (200 held-out problems)."""
     train, test = calculator_split()
     # tiny-tools was warm-started on turns that end at the call's </tool_call> (the template writes what follows)
+    # a call with its arguments takes about 55 tokens: the default 16 would cut every one
     return AgentTask(train, test, env=Calculator, max_turns=max_turns, tool_timeout_s=tool_timeout_s,
-                     parser=HermesParser(stop_at_call=True), name="calculator")
+                     parser=HermesParser(stop_at_call=True), name="calculator", settings={"max_new_tokens": 64})
 
 
 _BUILTINS: dict[str, Callable[..., Task]] = {
@@ -74,6 +75,15 @@ def factory(name: str) -> Callable[..., Task]:
     if name not in _BUILTINS:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(names())}")
     return _BUILTINS[name]
+
+
+def settings_of(task: Task) -> dict:
+    """The Session settings `task` needs (its `settings`, a dict of `rl.Config` fields; none without one)."""
+    settings = getattr(task, "settings", None) or {}
+    if not isinstance(settings, dict):
+        raise TypeError(f"task {getattr(task, 'name', task)!r}: settings must be a dict of Session settings, "
+                        f"got {type(settings).__name__}")
+    return dict(settings)
 
 
 def fingerprint(task: Task) -> str:

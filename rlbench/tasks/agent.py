@@ -56,6 +56,9 @@ class AgentTask:
     name: str = "agent"
     truncated_reward: float | None = None
     """Unused by episodes (an episode that hits max_new_tokens ends: its environment scores it)."""
+    settings: dict = field(default_factory=dict)
+    """Session settings the task needs, used unless the session is given them (`Task.settings`), e.g.
+    `{"max_new_tokens": 64}` where a tool call is longer than the default turn."""
 
     def __post_init__(self):
         object.__setattr__(self, "train", tuple(self.train))

@@ -22,6 +22,8 @@ class Task(Protocol):
     """Held-out examples, for evaluation only."""
     truncated_reward: float | None
     """Score of a completion that hit max_new_tokens without EOS; None scores it like any other."""
+    # optional: `settings`, a dict of Session settings the task needs ({"max_new_tokens": 64}), used where the
+    # session is not given them (`rlbench.tasks.settings_of`); a task without it needs none
 
     def reward(self, completion: str, example: dict) -> float | dict:
         """Score `completion` (the decoded response, without EOS) for `example`.
