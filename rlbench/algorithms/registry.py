@@ -504,7 +504,9 @@ class Algorithm:
         if entropy_B_T is not None:
             entropy = aggregate(entropy_B_T, mask_B_T, **counts)
             loss = loss - self.entropy_coef * entropy
-            metrics["entropy"] = entropy.detach()
+            # the metric per token whatever the reduction (Dr.GRPO's sum over a fixed length would read lower), still
+            # a share of the mini-batch's that adds up over micro-batches
+            metrics["entropy"] = aggregate(entropy_B_T.detach(), mask_B_T, **(counts | {"mode": "token-mean"}))
         if self.kl_coef > 0 or ref_logp_B_T is not None:
             if ref_logp_B_T is None:
                 raise ValueError(f"algorithm {self.name!r} has kl_coef > 0: pass ref_logp_B_T")

@@ -152,6 +152,22 @@ def test_actor_loss_adds_kl_and_entropy():
         get("dapo").replace(entropy_coef=0.01).actor_loss(*inputs)
 
 
+def test_the_entropy_metric_is_per_token_whatever_the_reduction():
+    # H = [[0.5, 1.5, (pad)], [1.0, (pad), (pad)]]: per token (0.5 + 1.5 + 1) / 3 = 1. Dr.GRPO's loss term sums over
+    # a fixed length 3 per row, (2 + 1) / (2·3) = 0.5, and GRPO's averages each row first, (1 + 1) / 2 = 1
+    mask_B_T = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    entropy_B_T = torch.tensor([[0.5, 1.5, 9.0], [1.0, 9.0, 9.0]])
+    logp_B_T = torch.zeros(2, 3)
+    for name in ("grpo", "dr_grpo", "gspo"):
+        alg = get(name).replace(kl_coef=0.0, entropy_coef=0.1)
+        loss, metrics = alg.actor_loss(logp_B_T, logp_B_T, torch.zeros(2, 3), mask_B_T, entropy_B_T=entropy_B_T)
+        assert metrics["entropy"].item() == approx(1.0), name
+    assert loss.item() == approx(-0.1 * 1.0)  # gspo's loss term: seq-mean-token-mean
+    loss, _ = get("dr_grpo").replace(entropy_coef=0.1).actor_loss(logp_B_T, logp_B_T, torch.zeros(2, 3), mask_B_T,
+                                                                   entropy_B_T=entropy_B_T)
+    assert loss.item() == approx(-0.1 * 0.5)  # the loss keeps the reduction
+
+
 def test_algorithm_resolves_names_and_the_declared_reduction_wins():
     alg = Algorithm(name="x", advantage="grpo", loss="sapo", reduction="token-mean")
     assert alg.advantage is advantages.grpo and alg.loss is losses.sapo
