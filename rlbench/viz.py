@@ -52,13 +52,28 @@ class Panel:
 PANELS = (
     Panel("reward", ("reward_mean",)),
     Panel("accuracy", ("accuracy",)),
+    Panel("turns per episode", ("turns_mean",)),
+    Panel("tool calls per episode", ("tool_calls_mean", "tool_errors_mean"), labels=("calls", "errors")),
+    Panel("tool success", ("tool_success_rate",)),
     Panel("KL to reference", ("kl_loss", "reward_kl")),
     Panel("entropy", ("entropy",)),
     Panel("clip fraction", ("clip_frac", "clip_frac_lower")),
     Panel("response length (tokens)", ("response_length",)),
     Panel("stage timings (s)", TIMINGS, compare="time_step", labels=tuple(t.removeprefix("time_") for t in TIMINGS)),
 )
-"""The default panels of `plot` and the dashboard, in order."""
+"""The default panels of `plot` and the dashboard, in order (an agentic task's show its turns and tools). Those
+that say nothing for the runs drawn are left out: no data, only zeros (clipping on-policy, KL without a
+reference), or the same lines as a panel before them (accuracy where it is the reward)."""
+
+TITLES = {"reward_mean": "reward", "accuracy": "accuracy", "entropy": "entropy", "kl_loss": "KL to reference",
+          "grad_norm": "gradient norm", "advantage_abs_mean": "mean |advantage|", "approx_kl": "KL old → new policy",
+          "clip_frac": "clip fraction", "filter_rounds": "extra rollout rounds (dynamic sampling)",
+          "sampler_kl": "KL sampler → trainer", "staleness_mean": "staleness (updates)", "teacher_kl": "KL to the teacher",
+          "correction/outside_frac": "tokens outside the correction's bounds", "time_step": "step time (s)",
+          "trainer_wait_s": "trainer waiting for samples (s)", "response_length": "response length (tokens)",
+          "turns_mean": "turns per episode", "tool_calls_mean": "tool calls per episode",
+          "tool_success_rate": "tool success"}
+"""A panel given as a column name takes its title from here (the name itself when it is not here)."""
 
 
 # ------------------------------------------------------------------------------------- metrics
@@ -113,8 +128,10 @@ def plot(source, *, panels: Sequence[Panel | str] = PANELS, smooth: int = 1, col
 def draw(fig: Figure, runs: Mapping[str, pd.DataFrame], *, panels: Sequence[Panel | str] = PANELS,
          smooth: int = 1, columns: int = 4, title: str | None = None) -> Figure:
     """Draw the panels of `runs` ({label: metrics}) into an empty Figure (`plot` without pyplot)."""
-    wanted = [Panel(p, (p,)) if isinstance(p, str) else p for p in panels]
+    wanted = [Panel(TITLES.get(p, p), (p,)) if isinstance(p, str) else p for p in panels]
     shown = [p for p in wanted if any(c in m.columns for m in runs.values() for c in p.columns)]
+    if panels is PANELS:
+        shown = _informative(shown, runs)
     if not shown:
         fig.set_size_inches(4, 1.5)
         fig.text(0.5, 0.5, "no metrics yet", ha="center", va="center")
@@ -128,16 +145,29 @@ def draw(fig: Figure, runs: Mapping[str, pd.DataFrame], *, panels: Sequence[Pane
         _draw_panel(ax, panel, runs, smooth)
     if len(runs) > 1:
         handles, labels = _legend_entries(fig)
-        fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 6), frameon=False)
+        fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 6), frameon=False, fontsize=11)
     if title:
         fig.suptitle(title)
     return fig
 
 
+def _informative(panels: list[Panel], runs: Mapping[str, pd.DataFrame]) -> list[Panel]:
+    """The panels that say something: a line other than 0 (or missing) throughout, and lines other than those of
+    a panel kept before them."""
+    kept, seen = [], []
+    for panel in panels:
+        data = [tuple(m[c].fillna(0).tolist()) for m in runs.values() for c in panel.columns if c in m.columns]
+        if all(not any(values) for values in data) or data in seen:
+            continue
+        kept.append(panel)
+        seen.append(data)
+    return kept
+
+
 def _draw_panel(ax, panel: Panel, runs: Mapping[str, pd.DataFrame], smooth: int) -> None:
-    ax.set_title(panel.title, fontsize=10)
-    ax.set_xlabel("step", fontsize=8)
-    ax.tick_params(labelsize=8)
+    ax.set_title(panel.title, fontsize=11)
+    ax.set_xlabel("step", fontsize=9)
+    ax.tick_params(labelsize=9)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for color, (name, metrics) in enumerate(runs.items()):
         present = [c for c in panel.columns if c in metrics.columns]
@@ -150,7 +180,7 @@ def _draw_panel(ax, panel: Panel, runs: Mapping[str, pd.DataFrame], smooth: int)
         for j, (column, label) in enumerate(lines):
             _line(ax, metrics, column, label, f"C{color if len(runs) > 1 else j}", smooth)
     if len(runs) == 1 and len(ax.lines) > 1:  # below the panel, where it covers no line
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3, frameon=False,
+        ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3, frameon=False,
                   handlelength=1.2, columnspacing=0.8)
 
 

@@ -15,8 +15,8 @@ from rlbench.runs.sinks import read_jsonl
 
 SMALL = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", cluster="inline",
              prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, threads=1)
-TITLES = ["reward", "accuracy", "KL to reference", "entropy", "clip fraction", "response length (tokens)",
-          "stage timings (s)"]
+TITLES = ["reward", "KL to reference", "entropy", "response length (tokens)", "stage timings (s)"]
+"""The default panels of a GRPO run on arithmetic: accuracy is the reward there, and on-policy nothing is clipped."""
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,24 @@ def test_plot_reads_a_jsonl_log_and_compares_runs(trained):
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["logged", "other"]
 
     only = viz.plot(other, panels=["reward_mean", "grad_norm"])  # a panel without data is left out
-    assert [ax.get_title() for ax in only.axes] == ["reward_mean"]
+    assert [ax.get_title() for ax in only.axes] == ["reward"]  # a column's title in words
+
+
+def test_default_panels_leave_out_what_says_nothing_and_show_an_agents_tools():
+    # accuracy equal to the reward, clipping all 0: left out by default, drawn when asked for by name
+    run = pd.DataFrame({"step": [0, 1, 2], "reward_mean": [0.1, 0.4, 0.5], "accuracy": [0.1, 0.4, 0.5],
+                        "clip_frac": [0.0, 0.0, 0.0], "entropy": [1.0, 0.9, 0.8]})
+    assert [ax.get_title() for ax in viz.plot(run).axes] == ["reward", "entropy"]
+    assert [ax.get_title() for ax in viz.plot(run, panels=["accuracy", "clip_frac"]).axes] == ["accuracy",
+                                                                                              "clip fraction"]
+    agentic = run.assign(accuracy=[0.0, 0.3, 0.5], turns_mean=[1.2, 1.6, 1.9], tool_calls_mean=[0.4, 0.8, 1.0],
+                         tool_errors_mean=[0.1, 0.05, 0.0], tool_success_rate=[0.75, 0.94, 1.0])
+    fig = viz.plot(agentic)
+    assert [ax.get_title() for ax in fig.axes] == ["reward", "accuracy", "turns per episode", "tool calls per episode",
+                                                   "tool success", "entropy"]
+    assert list(_lines(fig.axes[3])) == ["calls", "errors"]
+    # two runs whose accuracy differs from their reward in one of them: the panel stays
+    assert "accuracy" in [ax.get_title() for ax in viz.plot({"a": run, "b": agentic}).axes]
 
 
 def test_rollout_table_and_sample_plot(trained):
