@@ -4,7 +4,8 @@ Only transformers, datasets and trl are imported (not rlbench; the tool is rlben
 rlbench/models/calculator_data.py, a standard-library module loaded by its path). Reads the tiny-tools model directory and the train
 prompts that vs_trl_agentic.py wrote, trains, saves the weights (with the model's own tokenizer files, so that
 rlbench's evaluator reads TRL's model exactly as it reads its own), and writes one JSON file: per-step wall time,
-generation time and sampled tokens, tool calls and failures.
+generation time and sampled tokens, and per-step curves (mean reward, tool calls per episode, the fraction of calls
+that gave a result).
 
 TRL renders a tool-calling conversation from structured messages, so tiny-tools needs, on this side only:
 - a chat template that renders an assistant message's `tool_calls` and tool messages. It gives the same tokens as
@@ -69,12 +70,13 @@ def calc(expression: str) -> str:
 
 
 class TimedGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer that records each generate-and-score call's time, sampled tokens and tool calls."""
+    """GRPOTrainer that records each generate-and-score call's time, sampled tokens, reward and tool calls."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.generation_s: list[float] = []
         self.sampled_tokens: list[int] = []
+        self.curves: dict[str, list[float]] = {"reward": [], "tool_calls": [], "tool_success": []}
 
     def _generate_and_score_completions(self, inputs):
         start = time.perf_counter()
@@ -82,6 +84,12 @@ class TimedGRPOTrainer(GRPOTrainer):
         self.generation_s.append(time.perf_counter() - start)
         mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
         self.sampled_tokens.append(int(mask.sum()))
+        metrics = self._metrics["train"]  # this call's values are the last (never logged: logging_steps is huge)
+        calls = metrics["tools/call_frequency"][-1] if metrics["tools/call_frequency"] else 0.0
+        failures = metrics["tools/failure_frequency"][-1] if metrics["tools/failure_frequency"] else 0.0
+        self.curves["reward"].append(metrics["reward"][-1])
+        self.curves["tool_calls"].append(calls)
+        self.curves["tool_success"].append(1.0 - failures if calls else 0.0)
         return out
 
 
@@ -132,7 +140,7 @@ def main():
             shutil.copy(path, out / path.name)
     (work / f"trl-seed{args.seed}.json").write_text(json.dumps(dict(
         step_s=timer.step_s, generation_s=trainer.generation_s, sampled_tokens=trainer.sampled_tokens,
-        model_dir=str(out))))
+        curves=trainer.curves, model_dir=str(out))))
 
 
 if __name__ == "__main__":
