@@ -653,7 +653,8 @@ def test_an_agentic_run_restored_from_a_checkpoint_goes_on_bit_for_bit_with_an_e
     noisy = [c for c in whole.columns if c.startswith(("sampler_mismatch", "sampler_kl", "sampler_ratio"))]
     exact = [c for c in whole.columns if not c.startswith("time_") and c not in noisy]
     assert noisy and rest[exact].iloc[-2:].reset_index(drop=True).equals(whole[exact].iloc[-2:].reset_index(drop=True))
-    assert_close(torch.tensor(rest[noisy].iloc[-2:].values), torch.tensor(whole[noisy].iloc[-2:].values), atol=1e-6)
+    # 1e-5: a few float32 roundings of log-probs up to ~10 in magnitude (measured differences up to 1.9e-6)
+    assert_close(torch.tensor(rest[noisy].iloc[-2:].values), torch.tensor(whole[noisy].iloc[-2:].values), atol=1e-5)
 
 
 def test_longest_turns_by_hand():

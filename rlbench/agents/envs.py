@@ -10,7 +10,7 @@ tool, `step`, `reward`, `close`) runs under the task's `tool_timeout_s`, and eve
 them raising, taking longer or returning the wrong thing, a malformed or unknown call, bad arguments) comes back
 as a message and a reason, never as an exception out of the pool or a wait without end.
 
-The calls of one assistant turn run at once, each in a thread of its own with its own time limit, on the episode's
+The calls of one assistant turn run at once, each in a thread with its own time limit (threads are reused), on the episode's
 instance (a tool that changes the instance's state shares it with the turn's other calls); their messages come
 back in the order of the calls. `tool_concurrency` caps the tool calls running at once across the pool (every
 episode's): a call waits for a free slot before its time limit starts, and holds it until it returns or its time
@@ -26,6 +26,7 @@ import contextlib
 import inspect
 import math
 import numbers
+import queue
 import threading
 import time
 import weakref
@@ -60,6 +61,9 @@ class EnvPool:
         self.ready = threading.Condition(self.lock)
         self.loop: asyncio.AbstractEventLoop | None = None
         """Where `async def` methods run (started at the first)."""
+        self.threads = Threads()
+        """Where submitted work and each timed call run: threads reused from one call to the next."""
+        weakref.finalize(self, self.threads.stop)
 
     def open(self, keys: list[int], examples: list[dict]) -> list[tuple[list[dict] | None, str | None]]:
         """Start one episode per key: (its first messages, None), or (None, why its environment failed to start:
@@ -121,7 +125,7 @@ class EnvPool:
                 self.done[key] = result
                 self.ready.notify_all()
 
-        threading.Thread(target=run, name=f"rlbench-episode-{key}", daemon=True).start()
+        self.threads.start(run)
 
     def poll(self, wait_s: float = 0.0) -> dict[int, object]:
         """The results of submitted work that finished, by key; waits up to `wait_s` for one when none has."""
@@ -161,18 +165,21 @@ class EnvPool:
             self._timed(env.close, "close")
 
     def _run_calls(self, key: int, calls: list[ToolCall]) -> list[tuple[str, str | None]]:
-        """Every call at once, a thread each; (tool message, error or None) per call, in their order."""
+        """Every call at once, a thread each (one call: in this thread); (tool message, error or None) per call, in
+        their order."""
+        if len(calls) == 1:
+            return [self._run_call(key, calls[0])]
         results: list = [None] * len(calls)
+        finished = [threading.Event() for _ in calls]
 
         def run(i: int) -> None:
             results[i] = self._run_call(key, calls[i])
+            finished[i].set()
 
-        threads = [threading.Thread(target=run, args=(i,), name=f"rlbench-call-{key}-{i}", daemon=True)
-                   for i in range(len(calls))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:  # each ends within its wait for a slot and its time limit
-            thread.join()
+        for i in range(len(calls)):
+            self.threads.start(lambda i=i: run(i))
+        for event in finished:  # each ends within its wait for a slot and its time limit
+            event.wait()
         return results
 
     def _run_call(self, key: int, call: ToolCall) -> tuple[str, str | None]:
@@ -214,11 +221,10 @@ class EnvPool:
             except BaseException as error:  # noqa: BLE001 - a tool's SystemExit / KeyboardInterrupt is its failure
                 box["error"] = error
 
-        thread = threading.Thread(target=run, name=f"rlbench-{what}", daemon=True)
+        finished = threading.Event()
         start = time.monotonic()
-        thread.start()
-        thread.join(self.tool_timeout_s)
-        if thread.is_alive():  # a Python thread cannot be killed: it is left behind, the episode goes on
+        self.threads.start(lambda: (run(), finished.set()))
+        if not finished.wait(self.tool_timeout_s):  # a Python thread cannot be killed: it is left behind, the episode goes on
             if "future" in box:  # a coroutine can be stopped: it is cancelled
                 box["future"].cancel()
             return _error(f"{what} timed out after {time.monotonic() - start:.3g} s")
@@ -235,6 +241,41 @@ class EnvPool:
                 threading.Thread(target=_serve, args=(self.loop,), name="rlbench-env-loop", daemon=True).start()
                 weakref.finalize(self, self.loop.call_soon_threadsafe, self.loop.stop)
             return self.loop
+
+
+class Threads:
+    """Daemon threads that run jobs, each reused for the next job once it finishes its own: a job goes to an idle
+    thread, or to a new one when none is idle (a job that never returns keeps its thread, as a thread of its own
+    would; the others go on). Starting a thread per call cost more than the calculator's tool itself."""
+
+    def __init__(self):
+        self.idle: list[queue.SimpleQueue] = []  # the inboxes of the threads waiting for a job
+        self.lock = threading.Lock()
+        self.stopped = False
+
+    def start(self, job: Callable[[], object]) -> None:
+        """Run `job()` in an idle thread, or a new one."""
+        with self.lock:
+            inbox = self.idle.pop() if self.idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="rlbench-env-call", daemon=True).start()
+        inbox.put(job)
+
+    def stop(self) -> None:
+        """End the idle threads (those in a job end with it)."""
+        with self.lock:
+            idle, self.idle, self.stopped = self.idle, [], True
+        for inbox in idle:
+            inbox.put(None)
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while (job := inbox.get()) is not None:
+            job()
+            with self.lock:
+                if self.stopped:
+                    return
+                self.idle.append(inbox)
 
 
 def check_tool_concurrency(tool_concurrency) -> None:
