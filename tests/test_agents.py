@@ -282,6 +282,16 @@ def test_an_episode_keeps_the_sampled_tokens_and_marks_what_made_each(chat_dir, 
     assert "".join(table[table.kind == "template"].text) == "\n<|tool|>\n<|assistant|>"
     appended = len(tokenizer.encode("\n<|tool|>540\n<|assistant|>"))
     assert table.turn.tolist() == [0] * (len(turn0) + appended) + [1] * 4
+    # one row per stretch of one turn and kind, with the sampled stretches' log-probs summed
+    stretches = ep.stretches()
+    assert list(zip(stretches.turn, stretches.kind, stretches.text)) == [
+        (0, "sampled", call("calc", expression="12*45") + "<eos>"), (0, "template", "\n<|tool|>"), (0, "tool", "540"),
+        (0, "template", "\n<|assistant|>"), (1, "sampled", "540<eos>")]
+    assert stretches.tokens.sum() == len(table) and stretches.position.iloc[0] == table.position.iloc[0]
+    assert stretches.sampler_logp.iloc[0] == approx(-sum(i + 1 for i in range(len(turn0))) / 100)
+    assert stretches.logp_per_token.iloc[0] == approx(stretches.sampler_logp.iloc[0] / len(turn0))
+    assert stretches.sampler_logp.iloc[1:4].isna().all() and stretches.trainable.tolist() == [True, False, False,
+                                                                                               False, True]
     assert "sampled" in ep._repr_html_() and "tool_call" in ep._repr_html_()
     s.close()
 

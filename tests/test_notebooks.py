@@ -144,7 +144,7 @@ def test_05_teaches_tool_use_with_its_own_settings(kernel_dirs, tmp_path):
     nb, got = claims(NOTEBOOKS[0].parent / "05_agents.ipynb", kernel_dirs, tmp_path, report=(
         '{"before": before, "after": after, "success": [first.tool_success_rate, last.tool_success_rate], '
         '"calls": [first.tool_calls_mean, last.tool_calls_mean], "episode_calls": ep.tool_calls, '
-        '"episode_kinds": sorted(set(ep.to_pandas()["kind"])), "max_new_tokens": s.config.max_new_tokens, '
+        '"episode_kinds": sorted(set(ep.stretches()["kind"])), "max_new_tokens": s.config.max_new_tokens, '
         '"trained_episode_calls": after_ep.tool_calls}'))
     assert got["episode_calls"] >= 1 and got["episode_kinds"] == ["sampled", "template", "tool"]
     assert got["trained_episode_calls"] >= 1

@@ -143,6 +143,28 @@ class Episode:
             "sampler_logp": [lp if k == SAMPLED else None for lp, k in zip(self.logps, self.kinds)],
             "version": self.versions})
 
+    def stretches(self, tokenizer=None):
+        """One row per stretch of the response, consecutive tokens of one turn and one kind (what the model sampled,
+        a tool's output, the template's tokens): its turn, kind, first position, token count, text (with a
+        tokenizer), whether it is trained on, and for sampled stretches the sampler's log-prob summed over its tokens
+        and per token; the weights versions that drew it. `to_pandas` has one row per token."""
+        import pandas as pd
+
+        rows, start = [], 0
+        for end in range(1, len(self.ids) + 1):
+            if end < len(self.ids) and (self.turn_of[end], self.kinds[end]) == (self.turn_of[start], self.kinds[start]):
+                continue
+            sampled = self.kinds[start] == SAMPLED
+            logp = sum(self.logps[start:end]) if sampled else None
+            rows.append({"turn": self.turn_of[start], "kind": KINDS[self.kinds[start]],
+                         "position": len(self.prompt_ids) + start, "tokens": end - start,
+                         **({"text": readable_decode(tokenizer, self.ids[start:end])} if tokenizer is not None else {}),
+                         "trainable": sampled, "sampler_logp": logp,
+                         "logp_per_token": None if logp is None else logp / (end - start),
+                         "versions": sorted(set(self.versions[start:end]))})
+            start = end
+        return pd.DataFrame(rows)
+
     def show(self, tokenizer=None):
         """The episode as HTML: the prompt, then each token coloured by kind (sampled / tool / template), its
         log-prob and turn on hover; the turns' stop reasons and errors below."""

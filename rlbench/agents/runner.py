@@ -263,7 +263,7 @@ class EpisodeHandle:
     its first call with a parser that stops there) or runs the pending calls and appends their results;
     `run_tools()` runs them without appending (edit `pending_tool_results`, then `step()`); `reward()` ends and
     scores it. Everything else is its `record`'s
-    (an `Episode`: `ep.turns`, `ep.pending_tool_calls`, `ep.final_text`, ...); `show()` and `to_pandas()` decode
+    (an `Episode`: `ep.turns`, `ep.pending_tool_calls`, `ep.final_text`, ...); `show()`, `stretches()` and `to_pandas()` decode
     with the session's tokenizer."""
 
     def __init__(self, record: Episode, runner: EpisodeRunner):
@@ -299,6 +299,9 @@ class EpisodeHandle:
 
     def to_pandas(self):
         return self.record.to_pandas(self.runner.tokenizer)
+
+    def stretches(self):
+        return self.record.stretches(self.runner.tokenizer)
 
     def show(self):
         return self.record.show(self.runner.tokenizer)
