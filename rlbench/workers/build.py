@@ -21,6 +21,7 @@ from rlbench.config import Config
 from rlbench.policy import Critic, Policy, Reference
 from rlbench.policy.training import OptimSettings
 from rlbench.rewards import TaskScorer, sandbox_info
+from rlbench.runs.progress import bar as progress_bar
 from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams, VLLMSampler
 from rlbench.samplers import vllm as vllm_sampler
 from rlbench.workers.cluster import Ray, WorkerGroup, acquire_ray, check_resources, release_ray
@@ -196,6 +197,8 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
     agentic = isinstance(task, tasks.AgentTask)
     # the worker that runs model-written code (rewards, tools) with run_python, in the session's sandbox mode
     last = group("envs" if agentic else "rewards", 1, env={"RLBENCH_SANDBOX": cfg.sandbox} if cfg.sandbox else None)
+    if ray is not None:
+        _wait_started(groups)
 
     heads = dict(precision=cfg.precision, logit_chunk_tokens=cfg.logit_chunk_tokens)  # the causal LMs' forwards
     builds = [policy.start_build("policy", Policy, ranks(
@@ -255,6 +258,19 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
                    scorer=scorer, episodes=episodes, reference=reference, teacher=teacher,
                    critic=critic and CriticHandle(critic, algorithm, cfg.max_new_tokens),
                    groups=groups, on_ray=ray is not None, rollout=rollout, restart_rollout=restart_rollout)
+
+
+def _wait_started(groups: list[WorkerGroup]) -> None:
+    """Wait until every Ray worker process has started, with a bar: each imports torch and rlbench, and on a small
+    machine they take a minute between them. An actor that failed to start raises here."""
+    import ray
+
+    pending = [host.__ray_ready__.remote() for workers in groups for host in workers.hosts]
+    with progress_bar(total=len(pending), desc="worker processes started", unit="process") as started:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+            started.update(len(done))
 
 
 def _episode_runner(cfg: Config, task, model_dir: str, tokenizer, sampler: SamplerHandle,
