@@ -23,10 +23,13 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from test_notebooks import with_parameters
+from test_notebooks import SMALL, with_parameters
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "01_quickstart.ipynb"
+OTHERS = [NOTEBOOK.parent / name for name in ("05_agents.ipynb", "06_async.ipynb")]
+"""Opened with Run All too, at the test suite's small parameters (their claims: tests/test_notebooks.py): what a
+reader sees, an agent's episode and the async lab's figures and tables, renders without an error."""
 PARAMETERS = {"STEPS": 100, "THREADS": 1}
 """The notebook's batches (a step takes ~0.3 s on one thread: a click's way to the kernel is a fraction of one),
 and more steps than a Stop click leaves time for."""
@@ -84,11 +87,14 @@ def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """JupyterLab serving a folder holding notebook 01 (with the small parameters); yields (url, token, folder)."""
+    """JupyterLab serving a folder holding notebook 01 (with the small parameters) and `OTHERS`; yields (url, token,
+    folder)."""
     home = tmp_path_factory.mktemp("lab")
     root = home / "notebooks"
     root.mkdir()
     nbformat.write(with_parameters(nbformat.read(NOTEBOOK, as_version=4), PARAMETERS), root / NOTEBOOK.name)
+    for other in OTHERS:
+        nbformat.write(with_parameters(nbformat.read(other, as_version=4), SMALL), root / other.name)
     settings = home / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)  # no "receive news?" toast over the page, no fetches to the internet
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false",
@@ -261,3 +267,41 @@ def _run_all_stop_save_and_reopen(url: str, token: str, root: Path, browser, tmp
     assert WIDGET_ERROR not in _text(browser)
     assert not _severe(browser)
     assert _record_shown(browser)
+
+
+@pytest.mark.parametrize("notebook", OTHERS, ids=[p.name for p in OTHERS])
+def test_browser_runs_the_agents_and_async_notebooks_without_an_error(lab, browser, tmp_path, notebook):
+    url, token, root = lab
+    name = notebook.stem.split("_", 1)[1]
+    try:
+        _open(browser, url, token, notebook.name)
+        _menu(browser, "Run", "Run All Cells")
+        cells = sum(c.cell_type == "code" for c in nbformat.read(root / notebook.name, as_version=4).cells)
+
+        def finished():  # the last cell has run (a long notebook's cells out of view show no prompt number)
+            prompts = _prompts(browser)
+            return "[*]:" not in prompts and prompts and prompts[-1] == f"[{cells}]:"
+        until(finished, 600, "Run All to finish")
+        time.sleep(2)  # the last outputs' renderers settle
+        # every image in an output has loaded (06's figures come from the repository wherever the lab started)
+        images = browser.execute_script("return Array.from(document.querySelectorAll('.jp-OutputArea-output img'))"
+                                        ".map(img => img.complete && img.naturalWidth > 0)")
+        assert images and all(images), f"{images.count(False)} of {len(images)} images did not load"
+        _screenshot(browser, tmp_path, f"{name}-end")
+        _scroll_to_cell(browser, "ep.show()" if notebook.name == "05_agents.ipynb" else "display(Image(")
+        _screenshot(browser, tmp_path, f"{name}-episode" if notebook.name == "05_agents.ipynb" else f"{name}-figures")
+        assert WIDGET_ERROR not in _text(browser)
+        assert not _severe(browser)
+        _menu(browser, "File", "Save Notebook")
+        until(lambda: any(c.get("outputs") for c in json.loads((root / notebook.name).read_text())["cells"]), 30,
+              "the save")
+        saved = nbformat.read(root / notebook.name, as_version=4)
+        errors = [o for c in saved.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+        assert not errors, [f"{o.ename}: {o.evalue}" for o in errors]
+        if notebook.name == "05_agents.ipynb":  # the episode, coloured by who made each token
+            shown = "".join(o.get("data", {}).get("text/html", "") for c in saved.cells if "ep.show()" in c.source
+                            for o in c.outputs)
+            assert "sampled" in shown and "tool" in shown
+    except BaseException:
+        _screenshot(browser, tmp_path, f"{name}-failure")
+        raise
