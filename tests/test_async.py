@@ -14,7 +14,7 @@ from rlbench.batch import left_pad
 from rlbench.workers.cluster import WorkerGroup
 from rlbench.policy import batch_logp
 from rlbench.session.async_buffer import AsyncRollouts
-from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams
+from rlbench.samplers import HFSampler, Paced, PartialRollouts, SamplingParams, ScriptedSampler
 from rlbench.workers import SamplerHandle
 
 PROMPTS = ["12+34=", "7+5=", "99+99="]
@@ -124,6 +124,42 @@ def test_generate_goes_before_a_rollout_in_progress_with_the_newest_weights(tiny
     versions = events[1][1]["token_version"]
     assert int(versions[:, 0].max()) == 0 and int(versions.max()) == 1  # begun under 0, finished under 1
 
+
+
+def test_a_paced_sampler_draws_what_it_wraps_one_token_per_period(tiny):
+    model, tokenizer = tiny
+    import copy
+
+    rows = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    params = SamplingParams(n=4, max_new_tokens=12, seeds=(1, 2, 3), temperature=2.0)
+    plain = HFSampler(copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    paced = Paced(HFSampler(copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id), seconds_per_token=0.02)
+    expected = plain.generate(rows, params)
+    start = time.perf_counter()
+    out = paced.generate(rows, params)
+    elapsed = time.perf_counter() - start
+    for column in ("response_ids", "response_mask", "sampler_logp", "finished"):
+        assert torch.equal(out[column], expected[column]), column
+    assert elapsed >= 0.02 * out["response_ids"].shape[1]  # a lower bound: each decoding step waited its turn
+    with pytest.raises(TypeError, match="Paced needs a sampler whose generate\\(\\) takes interrupt= .* not ScriptedSampler"):
+        Paced(ScriptedSampler(tokenizer, lambda context: "1"), seconds_per_token=0.01)
+
+
+def test_a_sampler_slower_than_the_trainer_gives_partial_rollouts_within_the_bound():
+    """The sampler-bound regime of long responses, at toy size (rl.samplers.Paced): the trainer waits for the worker,
+    which is generating when new weights arrive, so rows go on under them: each such row's versions are v then v + 1,
+    and every group is still at most max_staleness = 1 update old."""
+    paced = Paced(HFSampler.from_pretrained(rl.models.resolve("tiny-arith")), seconds_per_token=0.05)
+    with rl.Session(**SMALL, sampler=paced, rollout=rl.Async(max_staleness=1)) as s:
+        s.run(4)
+        batch, waited = s.last_batch, s.metrics["trainer_wait_s"].iloc[1:]
+    mask = batch["response_mask"].bool()
+    versions = [sorted(set(v[m].tolist())) for v, m in zip(batch["token_version"], mask)]
+    partial = [v for v in versions if len(v) > 1]
+    assert partial, f"no partial rollout in the last batch (token versions {versions})"
+    assert all(len(v) == 2 and v[1] == v[0] + 1 for v in partial), partial
+    assert int(batch["staleness"].max()) <= 1 and (waited > 0).all(), waited
 
 # ------------------------------------------------------------------------- the staleness bound
 class SleepySampler:

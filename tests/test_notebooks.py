@@ -74,7 +74,7 @@ def test_notebook_is_stored_without_outputs(path):
     assert all(not cell.outputs and cell.execution_count is None for cell in code)
 
 
-OWN_SETTINGS = {"01_quickstart.ipynb", "02_algorithm_zoo.ipynb", "05_agents.ipynb"}
+OWN_SETTINGS = {"01_quickstart.ipynb", "02_algorithm_zoo.ipynb", "05_agents.ipynb", "06_async.ipynb"}
 """Notebooks run with their own settings, as a reader runs them, by a test of their claims below (not shrunk here)."""
 SHRUNK = [p for p in NOTEBOOKS if p.name not in OWN_SETTINGS]
 
@@ -184,3 +184,25 @@ def test_02_every_preset_learns_with_its_own_settings(kernel_dirs, tmp_path):
     assert (f"lowest {low} {got['after'][low]:.3f}, highest {high} {got['after'][high]:.3f}") in printed
     # the student starts at 0.275 (benchmarks/results/distillation/distillation.md)
     assert got["students"]["opd"] > 0.275 and got["students"]["grpo_opd"] > 0.275, got["students"]
+
+
+@pytest.mark.slow
+def test_06_shows_staleness_and_a_batch_of_partial_rollouts_with_its_own_settings(kernel_dirs, tmp_path):
+    """06 as a reader runs it (five runs of 60 steps, then the paced close-up): each run's staleness is its bound's
+    (0 synchronous, about K async: the sampler is ahead), the close-up's trainer waits for its paced sampler and most
+    of its batch's rows took new weights mid-generation (measured 88%), and the lab's figures are embedded."""
+    nb, got = claims(NOTEBOOKS[0].parent / "06_async.ipynb", kernel_dirs, tmp_path, report=(
+        '{"staleness": {n: staleness(m) for n, m in metrics.items()}, "partial": float(table["partial"].mean()), '
+        '"close_up_staleness": int(batch["staleness"].max()), "wait": float(waits["trainer_wait_s"]), '
+        '"steps": {n: len(m) for n, m in metrics.items()}}'))
+    assert set(got["steps"].values()) == {60}
+    assert got["staleness"]["sync"] == 0.0
+    for name, value in got["staleness"].items():  # measured: 1.0 at K = 1, 1.98 at K = 2
+        if name != "sync":
+            K = int(name.split("K=")[1][0])
+            assert K - 0.1 <= value <= K, (name, value)
+    assert got["partial"] > 0.3 and got["close_up_staleness"] <= 1 and got["wait"] > 0, got
+    printed = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
+    assert f"{got['partial']:.0%} of this batch's rows took new weights mid-generation" in printed
+    figures = next(cell for cell in nb.cells if "display(Image(" in cell.source)
+    assert len([o for o in figures.outputs if "image/png" in o.get("data", {})]) == 3  # embedded, not linked

@@ -1,0 +1,68 @@
+"""A sampler slowed to a chosen decoding speed: the sampler-bound regime of GPU recipes, at toy size on a CPU.
+
+On a GPU recipe (responses of 1-4k tokens) sampling a step takes several times its update (the GPU check:
+rollout 20-22 s, update 5 s), so an asynchronous run's rollout worker is always generating when new weights
+arrive, and rows take them mid-generation (partial rollouts). A built-in tiny model answers in a few tokens and
+its whole step's sampling takes a fraction of an update: the worker is idle when weights arrive, and no row is
+ever partial. `Paced(sampler, seconds_per_token)` makes each decoding step take at least that long (the tokens,
+log-probs and seeds are the wrapped sampler's own), so the staleness, the trainer's waits and the partial rollouts
+of that regime can be studied on the tiny models.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from typing import Sequence
+
+from rlbench.batch import Batch
+from rlbench.samplers.base import SamplingParams
+
+
+class Paced:
+    """A Sampler (`generate`, `load_weights`, `state_dict`) drawing what `sampler` draws, at most one decoding step
+    per `seconds_per_token` seconds. `sampler` must be interruptible (its `generate` takes `interrupt` and checks
+    it after each token, as the HF sampler does): the pause is taken at that check, so new weights pushed during a
+    pause are taken at the next token."""
+
+    def __init__(self, sampler, seconds_per_token: float):
+        if seconds_per_token < 0:
+            raise ValueError(f"seconds_per_token must be >= 0, got {seconds_per_token}")
+        if "interrupt" not in inspect.signature(getattr(sampler, "generate", lambda: None)).parameters:
+            raise TypeError(f"Paced needs a sampler whose generate() takes interrupt= (checked after each token, as "
+                            f"HFSampler's), not {type(sampler).__name__}")
+        self.sampler = sampler
+        self.seconds_per_token = seconds_per_token
+        self.pad_token_id = sampler.pad_token_id
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
+                 interrupt: threading.Event | None = None) -> Batch:
+        clock = _Clock(interrupt, self.seconds_per_token)
+        out = self.sampler.generate(prompt_ids, params, interrupt=clock)
+        clock.wait_until(out["response_ids"].shape[1])  # the last step (no check after it) takes its time too
+        return out
+
+    def load_weights(self, weights) -> None:
+        self.sampler.load_weights(weights)
+
+    def state_dict(self):
+        return self.sampler.state_dict()
+
+
+class _Clock:
+    """The interrupt flag a paced call hands the sampler: each check waits for the next step's time first."""
+
+    def __init__(self, interrupt: threading.Event | None, seconds_per_token: float):
+        self.interrupt, self.seconds_per_token = interrupt, seconds_per_token
+        self.start, self.steps = time.perf_counter(), 0
+
+    def is_set(self) -> bool:
+        self.steps += 1
+        self.wait_until(self.steps)
+        return self.interrupt is not None and self.interrupt.is_set()
+
+    def wait_until(self, steps: int) -> None:
+        left = self.start + steps * self.seconds_per_token - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
