@@ -31,7 +31,8 @@ def cache_root() -> Path:
 
 
 def build_cached(final: Path, train: Callable[[], tuple[PreTrainedModel, PreTrainedTokenizerBase]]) -> Path:
-    """`final`, after building it with `train()` if it has no config.json yet.
+    """`final`, after building it with `train()` if it has no config.json yet: (model, tokenizer, anything else
+    saved with `save_pretrained` beside them).
 
     Built into a temporary directory next to the final one, then renamed into place, so a directory
     under its final name is always complete. A second process of this machine asking for it meanwhile waits
@@ -46,9 +47,8 @@ def build_cached(final: Path, train: Callable[[], tuple[PreTrainedModel, PreTrai
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
-            model, tokenizer = train()
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            for part in train():  # the model, its tokenizer, and whatever else its folder holds (an image processor)
+                part.save_pretrained(tmp)
             for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes it private; make it an ordinary directory
                 path.chmod(0o755 if path.is_dir() else 0o644)
             try:
@@ -103,11 +103,12 @@ def sft_tensors(rows: Sequence[tuple[Sequence[int], Sequence[bool]]],
 def supervised_warm_start(model: PreTrainedModel, inputs_N_T: torch.Tensor, labels_N_T: torch.Tensor,
                           evaluate: Callable[[PreTrainedModel], float | dict[str, float]], *, seed: int, lr: float,
                           batch_size: int, eval_every: int, stop_at: float, overshoot: float, max_steps: int,
-                          name: str) -> tuple[int, float]:
+                          name: str, inputs_of: Callable[[torch.Tensor], dict] | None = None) -> tuple[int, float]:
     """Train on random rows until `evaluate(model)` is in [stop_at, overshoot]; (steps, accuracy).
 
     `evaluate` returns the held-out accuracy, or a dict of metrics with it as "acc" (the others are shown
-    in the progress bar).
+    in the progress bar). `inputs_of(rows_B)`, when given, is the forward's keyword arguments for those rows (a
+    vision-language model's pixels beside the ids and labels); by default the rows of the two tensors.
 
     A check above `overshoot` rolls the model and optimizer back to the previous check, and training
     goes on from there with a check after every step. RuntimeError if it never lands in the band.
@@ -119,7 +120,8 @@ def supervised_warm_start(model: PreTrainedModel, inputs_N_T: torch.Tensor, labe
         for step in range(1, max_steps + 1):
             model.train()
             rows_B = torch.randint(len(inputs_N_T), (batch_size,), generator=generator)
-            loss = model(input_ids=inputs_N_T[rows_B], labels=labels_N_T[rows_B]).loss
+            inputs = inputs_of(rows_B) if inputs_of else dict(input_ids=inputs_N_T[rows_B], labels=labels_N_T[rows_B])
+            loss = model(**inputs).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

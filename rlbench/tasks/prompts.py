@@ -33,7 +33,7 @@ def longest_prompt_tokens(tokenizer, examples: Sequence[dict], *, fits: Callable
 
 def check_prompts(task: Task) -> None:
     """ValueError naming the split and position of the first example without a usable prompt (no 'prompt'
-    field, an empty one, malformed chat messages), or saying that the task has no train examples."""
+    field, an empty one, malformed chat messages, images), or saying that the task has no train examples."""
     if not len(task.train):
         raise ValueError(f"task {task.name!r} has no train examples")
     for split_name in ("train", "test"):
@@ -43,6 +43,10 @@ def check_prompts(task: Task) -> None:
                     fields = sorted(example) if isinstance(example, dict) else type(example).__name__
                     raise ValueError(f"no 'prompt' field (has: {fields})")
                 messages_of(example["prompt"])
+                if example.get("images"):  # never trained as text alone, silently
+                    raise ValueError("it carries images ('images'), and a session does not pass images to the model "
+                                     "yet (rlbench.models.vision encodes them; the loop does not take them): its "
+                                     "prompt would be trained as text alone")
             except ValueError as error:
                 origin = _origin(example) if isinstance(example, dict) else ""
                 raise ValueError(f"{split_name} example {i} of task {task.name!r}{origin}: {error}") from None

@@ -1,0 +1,104 @@
+"""Images in prompts, for vision-language models of the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL).
+
+A prompt's text marks where each of its images goes with `<image>` (verl's convention; without a mark the images
+go before the text, as Qwen's chat templates put them). `Vision.encode` turns (text, images) into token ids, the
+mark replaced by the model's `<|vision_start|>`, one `<|image_pad|>` per merged patch of that image and
+`<|vision_end|>`, and the image processor's `pixel_values` and `image_grid_thw`. The ids are built token by token,
+never by parsing text for special tokens, so a prompt's text cannot forge an image token. `Vision.forward_inputs`
+gives the model's forward what it needs beside the ids: the pixels, the grids, `mm_token_type_ids`, and the 3-D
+rotary positions (M-RoPE) of left- or right-padded rows, computed here so that no state is kept in the model
+between calls.
+
+Images are PIL images, paths to image files, or verl parquet's `{"bytes": ..., "path": ...}` records.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+IMAGE_MARK = "<image>"
+IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+
+
+@dataclass(frozen=True)
+class Vision:
+    """What a vision-language model directory says about images: its image processor and its image token ids."""
+
+    processor: Any
+    start_id: int
+    image_id: int
+    end_id: int
+    merge_size: int
+
+    @classmethod
+    def of(cls, model_dir: str | Path, tokenizer) -> Vision | None:
+        """The model's Vision, or None for a text-only model (its config.json has no `vision_config`)."""
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        if "vision_config" not in config:
+            return None
+        from transformers import AutoImageProcessor
+
+        processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        ids = tokenizer.convert_tokens_to_ids(list(IMAGE_TOKENS))
+        if tokenizer.unk_token_id in ids or None in ids:
+            missing = [t for t, i in zip(IMAGE_TOKENS, ids) if i in (None, tokenizer.unk_token_id)]
+            raise ValueError(f"the tokenizer of {model_dir} has no {', '.join(missing)} token: it cannot mark images")
+        if config.get("image_token_id", ids[1]) != ids[1]:
+            raise ValueError(f"{model_dir}: config.json's image_token_id {config['image_token_id']} is not the "
+                             f"tokenizer's <|image_pad|> ({ids[1]})")
+        return cls(processor, *ids, merge_size=config["vision_config"].get("spatial_merge_size", 2))
+
+    def encode(self, tokenizer, text: str, images: Sequence) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """(ids, {"pixel_values", "image_grid_thw"}) of a prompt's text and its images (see the module docstring).
+        ValueError when the text has more `<image>` marks than images, or images are left over."""
+        if IMAGE_MARK not in text:
+            text = IMAGE_MARK * len(images) + text
+        parts = text.split(IMAGE_MARK)
+        if len(parts) - 1 != len(images):
+            raise ValueError(f"the prompt has {len(parts) - 1} {IMAGE_MARK} mark(s) and {len(images)} image(s): each "
+                             f"image needs its own mark (or none has one: then the images go before the text)")
+        if not images:
+            return tokenizer.encode(text, add_special_tokens=False), {}
+        pixels = self.processor(images=[load_image(image) for image in images], return_tensors="pt")
+        grid_I_3 = pixels["image_grid_thw"]
+        ids = tokenizer.encode(parts[0], add_special_tokens=False)
+        for part, grid in zip(parts[1:], grid_I_3.tolist()):
+            ids += [self.start_id] + [self.image_id] * (grid[0] * grid[1] * grid[2] // self.merge_size**2)
+            ids += [self.end_id] + tokenizer.encode(part, add_special_tokens=False)
+        return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": grid_I_3}
+
+    def forward_inputs(self, model, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor,
+                       images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The keyword arguments of `model`'s forward for rows `ids_B_T` (padding 0 in `mask_B_T`) whose images are
+        `images` (per row, `encode`'s dict; empty for a row without images), beside input_ids and attention_mask."""
+        rows = [row for row in images if row]
+        if not rows:
+            return {}
+        mm_B_T = (ids_B_T == self.image_id).int()
+        grid_I_3 = torch.cat([row["image_grid_thw"] for row in rows])
+        position_3_B_T, _ = model.model.get_rope_index(ids_B_T, image_grid_thw=grid_I_3, attention_mask=mask_B_T,
+                                                       mm_token_type_ids=mm_B_T)
+        return {"pixel_values": torch.cat([row["pixel_values"] for row in rows]), "image_grid_thw": grid_I_3,
+                "mm_token_type_ids": mm_B_T, "position_ids": position_3_B_T}
+
+
+def load_image(image):
+    """An RGB PIL image from a PIL image, a path, or a `{"bytes": ..., "path": ...}` record (verl's parquet)."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, dict):
+        if image.get("bytes"):
+            return Image.open(io.BytesIO(image["bytes"])).convert("RGB")
+        image = image.get("path")
+    if isinstance(image, (str, Path)):
+        with Image.open(image) as opened:
+            return opened.convert("RGB")
+    raise TypeError(f"an image is a PIL image, a path or a {{'bytes', 'path'}} record, not {type(image).__name__}")

@@ -1,0 +1,148 @@
+"""Images in prompts: the "shapes" task's pictures and answers, a prompt's image tokens and pixels (`Vision`), and the
+tiny-vl model, warm-started so that it answers by looking."""
+
+import io
+
+import pytest
+import torch
+from floats import assert_close
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+
+import rlbench as rl
+from rlbench.batch import left_pad
+from rlbench.models import tiny_vl
+from rlbench.models.vision import Vision, load_image
+from rlbench.models.shapes_data import CELLS, COLOURS, GRID, blind_accuracy
+from rlbench.tasks.shapes import Shapes
+
+
+@pytest.fixture(scope="module")
+def task():
+    return Shapes()
+
+
+@pytest.fixture(scope="module")
+def vl():
+    """(model, tokenizer, Vision) of the built tiny-vl."""
+    folder = tiny_vl.ensure_built(0)
+    tokenizer = rl.models.load_tokenizer(folder)
+    return AutoModelForImageTextToText.from_pretrained(folder).eval(), tokenizer, Vision.of(folder, tokenizer)
+
+
+# ------------------------------------------------------------------------------------- the task
+def test_each_answer_is_what_the_picture_shows(task):
+    for example in task.train[:300] + task.test:
+        shapes, answer, prompt = example["shapes"], example["answer"], example["prompt"]
+        image = example["images"][0]
+        assert image.size == (64, 64) and prompt.startswith("<image>")
+        for s in shapes:  # the shape's colour is at its cell's centre (every kind covers it)
+            row, column = divmod(s["cell"], GRID)
+            assert image.getpixel((int((column + 0.5) * 32), int((row + 0.5) * 32))) == COLOURS[s["colour"]]
+        if prompt == "<image>how many?=":
+            assert answer == str(len(shapes))
+        elif prompt.startswith("<image>colour of "):
+            kind = prompt.removeprefix("<image>colour of ").removesuffix("?=")
+            assert [s["colour"] for s in shapes if s["kind"] == kind] == [answer]
+        else:
+            cell = CELLS.index(prompt.removeprefix("<image>").removesuffix("?="))
+            assert [f"{s['colour']} {s['kind']}" for s in shapes if s["cell"] == cell] == [answer]
+
+
+def test_a_session_refuses_images_it_would_train_as_text(task, tmp_path):
+    """Until the loop passes images to the model, a task with images (built-in, or verl's parquet with its `images`
+    column of {bytes, path} records) is refused by name, never trained as its text alone."""
+    with pytest.raises(ValueError, match="train example 0 of task 'shapes': it carries images .* trained as text alone"):
+        rl.Session(model="tiny-arith", task=task, cluster="inline", log_dir=None)
+    buffer = io.BytesIO()
+    task.test[0]["images"][0].save(buffer, format="PNG")
+    row = {"data_source": "shapes", "prompt": [{"role": "user", "content": "<image>how many?="}],
+           "images": [{"bytes": buffer.getvalue(), "path": None}], "reward_model": {"ground_truth": "1"}}
+    path = rl.tasks.write_rows([row, dict(row, images=[])], tmp_path / "vl.parquet")
+    data = rl.tasks.from_parquet(path, test=path, reward=lambda completion, example: 0.0)
+    with pytest.raises(ValueError, match="train example 0 of task .*: it carries images"):
+        rl.Session(model="tiny-arith", task=data, cluster="inline", log_dir=None)
+
+
+def test_the_task_is_seeded_and_needs_the_picture(task):
+    again, other = Shapes(), Shapes(seed=1)
+    assert [e["answer"] for e in again.test] == [e["answer"] for e in task.test]
+    assert again.test[7]["images"][0].tobytes() == task.test[7]["images"][0].tobytes()
+    assert [e["shapes"] for e in other.test] != [e["shapes"] for e in task.test]
+    assert blind_accuracy(task.train, task.test) == 0.145  # the docstring's figure
+    assert max(len(e["shapes"]) for e in Shapes(max_shapes=2).train) == 2
+    with pytest.raises(ValueError, match="max_shapes must be in 1..4"):
+        Shapes(max_shapes=5)
+
+
+# ----------------------------------------------------------------------------- image prompts
+def test_an_image_mark_becomes_the_models_image_tokens(vl, task):
+    _, tokenizer, vision = vl
+    ids, pixels = vision.encode(tokenizer, "<image>how many?=", task.test[0]["images"])
+    start, pad, end = (vision.start_id, vision.image_id, vision.end_id)
+    assert ids == [start] + [pad] * 16 + [end] + tokenizer.encode("how many?=")  # 64x64 px: 8x8 patches, merged 2x2
+    assert pixels["image_grid_thw"].tolist() == [[1, 8, 8]] and pixels["pixel_values"].shape == (64, 3 * 2 * 8 * 8)
+    # without a mark the image goes first; typed as text, the image tokens stay text
+    assert vision.encode(tokenizer, "how many?=", task.test[0]["images"])[0] == ids
+    typed, _ = vision.encode(tokenizer, "<|image_pad|>", [])
+    assert pad not in typed and tokenizer.decode(typed) == "<|image_pad|>"
+
+
+@pytest.mark.parametrize("text, images, message", [
+    ("<image><image>how many?=", 1, "the prompt has 2 <image> mark.s. and 1 image"),
+    ("<image>how many?=", 2, "the prompt has 1 <image> mark.s. and 2 image"),
+    ("<image>how many?=", 0, "the prompt has 1 <image> mark.s. and 0 image")])
+def test_marks_and_images_must_pair_up(vl, task, text, images, message):
+    _, tokenizer, vision = vl
+    with pytest.raises(ValueError, match=message):
+        vision.encode(tokenizer, text, [task.test[0]["images"][0]] * images)
+
+
+def test_images_load_from_paths_and_parquet_records(tmp_path, task):
+    image = task.test[0]["images"][0]
+    image.save(tmp_path / "a.png")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    for source in (tmp_path / "a.png", str(tmp_path / "a.png"), {"bytes": buffer.getvalue(), "path": None},
+                   {"bytes": None, "path": str(tmp_path / "a.png")}):
+        assert load_image(source).tobytes() == image.tobytes()
+    with pytest.raises(FileNotFoundError, match="missing.png"):
+        load_image(tmp_path / "missing.png")
+    (tmp_path / "bad.png").write_bytes(b"not a picture")
+    with pytest.raises(OSError, match="bad.png"):
+        load_image(tmp_path / "bad.png")
+    with pytest.raises(TypeError, match="not ndarray"):
+        load_image(torch.zeros(3, 4, 4).numpy())
+
+
+def test_a_text_model_has_no_vision(tiny_dir):
+    assert Vision.of(tiny_dir, rl.models.load_tokenizer(tiny_dir)) is None
+
+
+def test_a_padded_batch_gives_each_rows_own_logits(vl, task):
+    """Rows of different lengths, left-padded, with the 3-D positions of `forward_inputs`: each row's logits are
+    those of the row alone."""
+    model, tokenizer, vision = vl
+    examples = [task.test[0], task.test[3], task.test[5]]
+    encoded = [vision.encode(tokenizer, e["prompt"] + e["answer"], e["images"]) for e in examples]
+    assert len({len(ids) for ids, _ in encoded}) > 1
+    ids_B_T, mask_B_T = left_pad([ids for ids, _ in encoded], tokenizer.pad_token_id)
+    with torch.no_grad():
+        batch_B_T_V = model(input_ids=ids_B_T, attention_mask=mask_B_T,
+                            **vision.forward_inputs(model, ids_B_T, mask_B_T, [p for _, p in encoded])).logits
+        for b, (ids, pixels) in enumerate(encoded):
+            one_1_T = torch.tensor([ids])
+            alone = model(input_ids=one_1_T, attention_mask=torch.ones_like(one_1_T),
+                          **vision.forward_inputs(model, one_1_T, torch.ones_like(one_1_T), [pixels])).logits[0]
+            assert_close(batch_B_T_V[b, -len(ids):], alone, atol=1e-5)  # float32 sums in another order
+
+
+# ---------------------------------------------------------------------------------- the model
+def test_tiny_vl_answers_by_looking(vl, task):
+    """Warm-started into [STOP_AT, OVERSHOOT] on held-out questions, above answering blind (0.145); with the
+    pictures blanked it does worse: what it gets right, it gets by looking."""
+    model, tokenizer, vision = vl
+    accuracy = tiny_vl.greedy_accuracy(model, tokenizer, vision, task.test)
+    assert tiny_vl.STOP_AT <= accuracy <= tiny_vl.OVERSHOOT
+    blank = [dict(e, images=[Image.new("RGB", (64, 64), "white")]) for e in task.test]
+    assert tiny_vl.greedy_accuracy(model, tokenizer, vision, blank) < accuracy - 0.1
