@@ -202,7 +202,8 @@ class Batch:
         head = "".join(f"<th>{html.escape(n)}</th>" for n in shown)
         body = []
         for i in range(min(len(self), max_rows)):
-            cells = "".join(f"<td>{html.escape(_cell(self[n][i], max_chars))}</td>" for n in shown)
+            cells = "".join(f"<td>{_thumbnails(self[n][i]) or html.escape(_cell(self[n][i], max_chars))}</td>"
+                            for n in shown)
             body.append(f"<tr>{cells}</tr>")
         more = f"<p>… {len(self) - max_rows} more rows</p>" if len(self) > max_rows else ""
         note = f"<p>tensor columns: {html.escape(', '.join(f'{n} {_describe(self[n])}' for n in wide))}</p>" if wide else ""
@@ -211,6 +212,26 @@ class Batch:
 
 def _describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _thumbnails(value, size: int = 48) -> str | None:
+    """A cell holding a list of images (PIL, as a vision-language batch's `images`) as inline thumbnails; None for
+    any other value."""
+    if not (isinstance(value, (list, tuple)) and value and all(hasattr(v, "save") and hasattr(v, "size")
+                                                                for v in value)):
+        return None
+    import base64
+    import io
+
+    tags = []
+    for image in value:
+        thumb = image.copy()
+        thumb.thumbnail((size, size))
+        buffer = io.BytesIO()
+        thumb.save(buffer, format="PNG")
+        tags.append(f'<img src="data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}" '
+                    f'title="{image.size[0]}x{image.size[1]}">')
+    return "".join(tags)
 
 
 def _cell(value, max_chars: int) -> str:

@@ -12,7 +12,7 @@ from transformers import AutoModelForImageTextToText
 import rlbench as rl
 from rlbench.batch import left_pad
 from rlbench.models import tiny_vl
-from rlbench.models.vision import Vision, load_image
+from rlbench.models.vision import Vision, forward_inputs, load_image
 from rlbench.models.shapes_data import CELLS, COLOURS, GRID, blind_accuracy
 from rlbench.tasks.shapes import Shapes
 
@@ -49,10 +49,10 @@ def test_each_answer_is_what_the_picture_shows(task):
             assert [f"{s['colour']} {s['kind']}" for s in shapes if s["cell"] == cell] == [answer]
 
 
-def test_a_session_refuses_images_it_would_train_as_text(task, tmp_path):
-    """Until the loop passes images to the model, a task with images (built-in, or verl's parquet with its `images`
-    column of {bytes, path} records) is refused by name, never trained as its text alone."""
-    with pytest.raises(ValueError, match="train example 0 of task 'shapes': it carries images .* trained as text alone"):
+def test_a_text_model_refuses_images_it_would_train_as_text(task, tmp_path):
+    """Images given to a text-only model (a built-in task, or verl's parquet with its `images` column of {bytes, path}
+    records) are refused naming the row, never trained as the prompt's text alone."""
+    with pytest.raises(ValueError, match="train example 0 of task 'shapes': it has 1 image.s. .* text-only"):
         rl.Session(model="tiny-arith", task=task, cluster="inline", log_dir=None)
     buffer = io.BytesIO()
     task.test[0]["images"][0].save(buffer, format="PNG")
@@ -60,7 +60,7 @@ def test_a_session_refuses_images_it_would_train_as_text(task, tmp_path):
            "images": [{"bytes": buffer.getvalue(), "path": None}], "reward_model": {"ground_truth": "1"}}
     path = rl.tasks.write_rows([row, dict(row, images=[])], tmp_path / "vl.parquet")
     data = rl.tasks.from_parquet(path, test=path, reward=lambda completion, example: 0.0)
-    with pytest.raises(ValueError, match="train example 0 of task .*: it carries images"):
+    with pytest.raises(ValueError, match="example .* of task .*: it has 1 image.s. .* text-only"):
         rl.Session(model="tiny-arith", task=data, cluster="inline", log_dir=None)
 
 
@@ -129,11 +129,11 @@ def test_a_padded_batch_gives_each_rows_own_logits(vl, task):
     ids_B_T, mask_B_T = left_pad([ids for ids, _ in encoded], tokenizer.pad_token_id)
     with torch.no_grad():
         batch_B_T_V = model(input_ids=ids_B_T, attention_mask=mask_B_T,
-                            **vision.forward_inputs(model, ids_B_T, mask_B_T, [p for _, p in encoded])).logits
+                            **forward_inputs(model, ids_B_T, mask_B_T, [p for _, p in encoded])).logits
         for b, (ids, pixels) in enumerate(encoded):
             one_1_T = torch.tensor([ids])
             alone = model(input_ids=one_1_T, attention_mask=torch.ones_like(one_1_T),
-                          **vision.forward_inputs(model, one_1_T, torch.ones_like(one_1_T), [pixels])).logits[0]
+                          **forward_inputs(model, one_1_T, torch.ones_like(one_1_T), [pixels])).logits[0]
             assert_close(batch_B_T_V[b, -len(ids):], alone, atol=1e-5)  # float32 sums in another order
 
 
@@ -146,3 +146,68 @@ def test_tiny_vl_answers_by_looking(vl, task):
     assert tiny_vl.STOP_AT <= accuracy <= tiny_vl.OVERSHOOT
     blank = [dict(e, images=[Image.new("RGB", (64, 64), "white")]) for e in task.test]
     assert tiny_vl.greedy_accuracy(model, tokenizer, vision, blank) < accuracy - 0.1
+
+
+# ------------------------------------------------------------------------------- in a session
+SMALL = dict(model="tiny-vl", cluster="inline", prompts_per_step=4, samples_per_prompt=4, threads=1, seed=0, log_dir=None)
+
+
+def test_a_step_on_image_prompts_trains_on_what_the_sampler_saw(task):
+    """The rollout's table keeps each row's pictures (shown as thumbnails) and their pixels; the trainer's forward on
+    them gives the sampler's log-probs (the text bound, 1e-5), so the on-policy ratio is 1."""
+    with rl.Session(task=task, **SMALL) as s:
+        batch = s.rollout()
+        assert [len(images) for images in batch["images"]] == [1] * 16
+        assert batch["images"][0][0].tobytes() == batch["example"][0]["images"][0].tobytes()
+        assert batch["image_inputs"][0]["image_grid_thw"].tolist() == [[1, 8, 8]]
+        assert batch._repr_html_().count('<img src="data:image/png;base64,') == 16
+        mask = batch["response_mask"].bool()
+        assert_close(s.workers.policy.log_probs(batch)[mask], batch["sampler_logp"][mask], atol=1e-5)
+        row = s.step()
+        assert abs(row["sampler_kl"]) < 1e-5 and row["clip_frac"] == 0.0
+
+
+def test_bad_images_are_named_before_or_when_they_are_used(task, tmp_path, tiny_dir):
+    """A text-only model given images, more images than marks, a missing file: refused at the start naming the row;
+    an unreadable file: at the rollout that reads it, naming the example."""
+    picture = tmp_path / "a.png"
+    task.test[0]["images"][0].save(picture)
+    (tmp_path / "bad.png").write_bytes(b"not a picture")
+    row = {"prompt": "<image>how many?=", "answer": "1", "images": [str(picture)]}
+    cases = [(dict(row, images=[str(picture)] * 2, prompt="<image>how many?="), "train example 1 .* has 1 <image> "
+              "mark.s. and 2 image"),
+             (dict(row, images=[str(tmp_path / "gone.png")]), "train example 1 .* its image '.*gone.png' is not a file")]
+    for bad, message in cases:
+        data = rl.tasks.DataTask(train=[row, bad], test=[row], reward=lambda completion, example: 0.0, name="vl")
+        with pytest.raises(ValueError, match=message):
+            rl.Session(task=data, **SMALL)
+    with pytest.raises(ValueError, match="train example 0 of task 'shapes': it has 1 image.s. .* text-only"):
+        rl.Session(task=task, **SMALL | {"model": tiny_dir})
+    unreadable = rl.tasks.DataTask(train=[dict(row, images=[str(tmp_path / "bad.png")])], test=[row],
+                                   reward=lambda completion, example: 0.0, name="vl")
+    with rl.Session(task=unreadable, **SMALL) as s:
+        with pytest.raises(ValueError, match="example 0 .*how many.*bad.png"):
+            s.rollout()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(rollout_mode="async"), "rollout_mode='async' does not take images yet"),
+    (dict(sampler="vllm"), "the vllm sampler does not take them yet|sampler='vllm' cannot run here")])
+def test_what_does_not_take_images_yet_says_so(task, changes, message):
+    with pytest.raises(ValueError, match=message):
+        rl.Session(task=task, **SMALL | changes)
+
+
+def test_the_policy_never_draws_image_markup(vl, task):
+    """The image tokens have probability 0 in the sampler and in the trainer (never sampled, even at temperature 5;
+    a response holding one would be taken for more image slots), and entropies stay finite."""
+    model, tokenizer, vision = vl
+    never = rl.models.vision.never_sampled(model)
+    assert never == [vision.start_id, vision.image_id, vision.end_id]
+    assert rl.models.vision.never_sampled(rl.models.load("tiny-arith")[0]) == []
+    with rl.Session(task=task, **SMALL | {"temperature": 5.0, "samples_per_prompt": 16}) as s:
+        batch = s.rollout()
+        mask = batch["response_mask"].bool()
+        assert not torch.isin(batch["response_ids"][mask], torch.tensor(never)).any()
+        row = s.step()
+        assert torch.isfinite(torch.tensor([row["entropy"], row["loss"]])).all()

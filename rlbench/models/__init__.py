@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from rlbench.models import tiny_arith, tiny_mix, tiny_tools
+from rlbench.models import tiny_arith, tiny_mix, tiny_tools, tiny_vl, vision
 from rlbench.models.arithmetic_data import arithmetic_split
 from rlbench.models.checks import (check_fits, check_same_tokenizer, check_tokenizer_files, check_weights, dropout_fields,
                                    prompt_room)
@@ -35,6 +35,7 @@ _BUILTINS: dict[str, Callable[[int], Path] | str] = {tiny_arith.NAME: tiny_arith
                                                       tiny_arith.SMALL_NAME: tiny_arith.ensure_built_small,
                                                       tiny_mix.NAME: tiny_mix.ensure_built,
                                                       tiny_tools.NAME: tiny_tools.ensure_built,
+                                                      tiny_vl.NAME: tiny_vl.ensure_built,
                                                       tiny_arith.GRPO_NAME: "rlbench.quickstart:teacher"}
 """Built-in model name -> function of the seed returning its (cached, built on demand) directory, or where that
 function lives (`"module:function"`) when an RL run of the layers above builds it (tiny-arith-grpo, the quickstart's
@@ -91,7 +92,8 @@ def check(model: str | os.PathLike) -> None:
 def load(
     model: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(causal LM in eval mode, tokenizer) for a built-in name or a local HF model directory."""
+    """(causal LM in eval mode, tokenizer) for a built-in name or a local HF model directory (a vision-language
+    one: its image-text-to-text model, see `from_pretrained`)."""
     path = resolve(model, seed=seed)
     tokenizer = load_tokenizer(path)
     return from_pretrained(AutoModelForCausalLM, path, dtype=dtype).eval(), tokenizer
@@ -112,9 +114,15 @@ def load_tokenizer(model: str | os.PathLike, *, seed: int = 0) -> PreTrainedToke
 
 def from_pretrained(auto_class, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **kwargs):
     """`auto_class.from_pretrained` from local files only, without transformers' per-tensor progress bar.
+    AutoModelForCausalLM of a vision-language folder (Qwen2-VL's, whose config has a `vision_config`) loads its
+    image-text-to-text model: the language model with its vision tower, which takes images (`models.vision`).
 
     A folder without weights, or with a truncated or corrupt safetensors file, is a ValueError naming it."""
     check_weights(path)
+    if auto_class is AutoModelForCausalLM and vision.has_vision(path):
+        from transformers import AutoModelForImageTextToText
+
+        auto_class = AutoModelForImageTextToText
     with quiet_transformers():  # e.g. a critic's value head is new by design: no load report
         return auto_class.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
 

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase, Qwen2VLConfig, Qwen2VLForCondi
 from rlbench.batch import left_pad
 from rlbench.models import shapes_data
 from rlbench.models.tokenizer import build_tokenizer
-from rlbench.models.vision import IMAGE_TOKENS, Vision
+from rlbench.models.vision import IMAGE_TOKENS, Vision, forward_inputs
 from rlbench.models.warm_start import build_cached, cache_root, sft_tensors, supervised_warm_start, torch_threads
 
 NAME = "tiny-vl"
@@ -99,7 +99,7 @@ def train_tiny_vl(seed: int = 0) -> tuple[Qwen2VLForConditionalGeneration, PreTr
             ids_B_T = inputs_N_T[rows_B]
             mask_B_T = (torch.arange(ids_B_T.shape[1]) < lengths_N[rows_B, None]).long()  # right padding
             return dict(input_ids=ids_B_T, attention_mask=mask_B_T, labels=labels_N_T[rows_B],
-                        **vision.forward_inputs(model, ids_B_T, mask_B_T, [pixels[i] for i in rows_B.tolist()]))
+                        **forward_inputs(model, ids_B_T, mask_B_T, [pixels[i] for i in rows_B.tolist()]))
 
         supervised_warm_start(model, inputs_N_T, labels_N_T, lambda m: greedy_accuracy(m, tokenizer, vision, test),
                               seed=seed, lr=LR, batch_size=BATCH_SIZE, eval_every=EVAL_EVERY, stop_at=STOP_AT,
@@ -113,7 +113,7 @@ def greedy_accuracy(model, tokenizer: PreTrainedTokenizerBase, vision: Vision, e
     model.eval()
     encoded = [vision.encode(tokenizer, e["prompt"], e["images"]) for e in examples]
     ids_N_P, mask_N_P = left_pad([ids for ids, _ in encoded], tokenizer.pad_token_id)
-    inputs = vision.forward_inputs(model, ids_N_P, mask_N_P, [images for _, images in encoded])
+    inputs = forward_inputs(model, ids_N_P, mask_N_P, [images for _, images in encoded])
     inputs.pop("position_ids")  # generate computes them, and those of each new token
     out_N_L = model.generate(input_ids=ids_N_P, attention_mask=mask_N_P, do_sample=False,
                              max_new_tokens=ANSWER_TOKENS, eos_token_id=tokenizer.eos_token_id,

@@ -4,7 +4,7 @@ A prompt's text marks where each of its images goes with `<image>` (verl's conve
 go before the text, as Qwen's chat templates put them). `Vision.encode` turns (text, images) into token ids, the
 mark replaced by the model's `<|vision_start|>`, one `<|image_pad|>` per merged patch of that image and
 `<|vision_end|>`, and the image processor's `pixel_values` and `image_grid_thw`. The ids are built token by token,
-never by parsing text for special tokens, so a prompt's text cannot forge an image token. `Vision.forward_inputs`
+never by parsing text for special tokens, so a prompt's text cannot forge an image token. `forward_inputs`
 gives the model's forward what it needs beside the ids: the pixels, the grids, `mm_token_type_ids`, and the 3-D
 rotary positions (M-RoPE) of left- or right-padded rows, computed here so that no state is kept in the model
 between calls.
@@ -39,9 +39,9 @@ class Vision:
     @classmethod
     def of(cls, model_dir: str | Path, tokenizer) -> Vision | None:
         """The model's Vision, or None for a text-only model (its config.json has no `vision_config`)."""
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        if "vision_config" not in config:
+        if not has_vision(model_dir):
             return None
+        config = json.loads((Path(model_dir) / "config.json").read_text())
         from transformers import AutoImageProcessor
 
         processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
@@ -73,19 +73,47 @@ class Vision:
             ids += [self.end_id] + tokenizer.encode(part, add_special_tokens=False)
         return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": grid_I_3}
 
-    def forward_inputs(self, model, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor,
-                       images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The keyword arguments of `model`'s forward for rows `ids_B_T` (padding 0 in `mask_B_T`) whose images are
-        `images` (per row, `encode`'s dict; empty for a row without images), beside input_ids and attention_mask."""
-        rows = [row for row in images if row]
-        if not rows:
-            return {}
-        mm_B_T = (ids_B_T == self.image_id).int()
-        grid_I_3 = torch.cat([row["image_grid_thw"] for row in rows])
-        position_3_B_T, _ = model.model.get_rope_index(ids_B_T, image_grid_thw=grid_I_3, attention_mask=mask_B_T,
-                                                       mm_token_type_ids=mm_B_T)
-        return {"pixel_values": torch.cat([row["pixel_values"] for row in rows]), "image_grid_thw": grid_I_3,
-                "mm_token_type_ids": mm_B_T, "position_ids": position_3_B_T}
+
+def has_vision(model_dir: str | Path) -> bool:
+    """Whether the model in `model_dir` takes images (its config.json has a `vision_config`)."""
+    return "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def has_vision_tower(model) -> bool:
+    """Whether a loaded model takes images (its config has a `vision_config`)."""
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def never_sampled(model) -> list[int]:
+    """The token ids a vision-language model's policy never draws: its image markup (`<|vision_start|>`,
+    `<|image_pad|>`, `<|vision_end|>`, and the video ones where it has them). They stand for pixels only in a
+    prompt; drawn in a response they would be text, and a forward with images would take them for more image slots.
+    The sampler and the trainer both leave them out of the distribution (their logits are the lowest float), so
+    that the two agree exactly. [] for a text model."""
+    if not has_vision_tower(model):
+        return []
+    names = ("image_token_id", "vision_start_token_id", "vision_end_token_id", "video_token_id")
+    vocab = model.config.get_text_config().vocab_size  # (a default id past it is no token of this model)
+    return sorted({i for i in (getattr(model.config, name, None) for name in names) if i is not None and i < vocab})
+
+
+def forward_inputs(model, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor,
+                   images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The keyword arguments of a vision-language `model`'s forward for rows `ids_B_T` (padding 0 in `mask_B_T`, on
+    either side) whose images are `images` (per row, `Vision.encode`'s dict; empty for a row without images), beside
+    input_ids and attention_mask: the pixels and grids of the rows' images in row order, `mm_token_type_ids`, and the
+    3-D rotary positions (M-RoPE), computed here so that the model keeps no state between calls. {} when no row has
+    an image."""
+    rows = [row for row in images if row]
+    if not rows:
+        return {}
+    mm_B_T = (ids_B_T == model.config.image_token_id).int()
+    grid_I_3 = torch.cat([row["image_grid_thw"] for row in rows]).to(ids_B_T.device)
+    position_3_B_T, _ = model.model.get_rope_index(ids_B_T, image_grid_thw=grid_I_3, attention_mask=mask_B_T,
+                                                   mm_token_type_ids=mm_B_T)
+    pixels = torch.cat([row["pixel_values"] for row in rows]).to(ids_B_T.device, model.dtype)
+    return {"pixel_values": pixels, "image_grid_thw": grid_I_3, "mm_token_type_ids": mm_B_T,
+            "position_ids": position_3_B_T}
 
 
 def load_image(image):

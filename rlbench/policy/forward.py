@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlbench.algorithms import entropy_from_logits, teacher_topk, token_logp, token_logp_and_sum_pi2
 from rlbench.batch import Batch
+from rlbench.models.vision import forward_inputs, never_sampled
 
 
 PACK_WIDTH = 64
@@ -70,8 +71,11 @@ def response_outputs(model, batch: Batch, attention: str = "auto",
         raise ValueError(f"attention='packed' needs an attention implementation that honours a 4-D mask "
                          f"({' or '.join(MASKED_ATTENTION)}); this model uses {implementation!r}, which would "
                          f"ignore it (every token would see the other samples): use attention='per_sample'")
-    if attention == "per_sample" or (attention == "auto" and not packing_pays(model, batch)):
+    if attention == "per_sample" or (attention == "auto" and (has_images(batch) or not packing_pays(model, batch))):
         return _per_sample_outputs(model, batch, head)
+    if has_images(batch):
+        raise ValueError("attention='packed' does not take images (a row's image tokens need their own 3-D positions): "
+                         "use attention='per_sample' or 'auto'")
     return _packed_outputs(model, batch, head)
 
 
@@ -85,7 +89,7 @@ def packing_pays(model, batch: Batch) -> bool:
         return False
     slots, W = _packed_size(batch)
     L = int((batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).max())
-    pairs_per_token = PAIRS_PER_TOKEN * model.config.hidden_size
+    pairs_per_token = PAIRS_PER_TOKEN * model.config.get_text_config().hidden_size
     return slots * (1 + W / pairs_per_token) <= len(batch) * L * (1 + L / pairs_per_token)
 
 
@@ -142,7 +146,8 @@ def _per_sample_outputs(model, batch: Batch, head=None) -> torch.Tensor:
     row's start (right padding, token 0), through plain causal attention. Nothing after a real token changes
     what it sees, so no mask is needed and none is built: with "sdpa" or flash attention, memory grows
     linearly in the longest row's length L (the eager implementation builds its own L x L causal mask).
-    Position ids are 0, 1, ... as in the sampler."""
+    Position ids are 0, 1, ... as in the sampler; with images (`image_inputs`), a vision-language model's pixels and 3-D
+    positions (`rl.models.vision.forward_inputs`)."""
     _check_response_mask(batch)
     ids_B_S = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
     real_B_S = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).bool()
@@ -155,7 +160,14 @@ def _per_sample_outputs(model, batch: Batch, head=None) -> torch.Tensor:
     prompt_len_B = batch["prompt_mask"].sum(-1)
     predictor_B_T = (prompt_len_B[:, None] - 1 + torch.arange(T, device=ids_B_L.device)).clamp(0, L - 1)
     row_B_1 = torch.arange(len(ids_B_L), device=ids_B_L.device)[:, None]
-    return _outputs_at(model, row_B_1 * L + predictor_B_T, head, input_ids=ids_B_L)
+    images = forward_inputs(model, ids_B_L, real_B_S.gather(1, order_B_S[:, :L]).long(), batch["image_inputs"]) \
+        if has_images(batch) else {}
+    return _outputs_at(model, row_B_1 * L + predictor_B_T, head, input_ids=ids_B_L, **images)
+
+
+def has_images(batch: Batch) -> bool:
+    """Whether some row of `batch` has images (its `image_inputs` column: per row, the prompt's pixels and grids)."""
+    return "image_inputs" in batch and any(batch["image_inputs"])
 
 
 def _outputs_at(model, predictor_B_T: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None,
@@ -165,7 +177,10 @@ def _outputs_at(model, predictor_B_T: torch.Tensor, head: Callable[[torch.Tensor
     embedding (inside its forward, where sharded weights are gathered)."""
     if head is None:
         out_R_W_F = model(**inputs, use_cache=False).logits
-        return out_R_W_F.flatten(0, 1)[predictor_B_T].float()
+        never = never_sampled(model)
+        out_B_T_F = out_R_W_F.flatten(0, 1)[predictor_B_T].float()
+        return out_B_T_F.index_fill(-1, torch.tensor(never, device=out_B_T_F.device), torch.finfo(torch.float32).min) \
+            if never else out_B_T_F
     output_embedding = model.get_output_embeddings()
     output_embedding.forward = lambda hidden_R_W_H: head(hidden_R_W_H.flatten(0, 1)[predictor_B_T.reshape(-1)])
     try:
@@ -190,14 +205,26 @@ def response_stats(model, batch: Batch, *, temperature: float, chunk_tokens: int
 
     def head(hidden_N_H: torch.Tensor) -> torch.Tensor:
         output_embedding = model.get_output_embeddings()  # read here: inside the forward its weights are whole
+        bias_V = _never_drawn(model, output_embedding.bias, output_embedding.weight)
         chunks = []
         for start in range(0, len(ids_N), chunk_tokens):
-            args = (hidden_N_H[start : start + chunk_tokens], output_embedding.weight, output_embedding.bias,
+            args = (hidden_N_H[start : start + chunk_tokens], output_embedding.weight, bias_V,
                     ids_N[start : start + chunk_tokens], temperature, sum_pi2)
             chunks.append(checkpoint(_head_stats, *args, use_reentrant=False) if torch.is_grad_enabled()
                           else _head_stats(*args))
         return torch.cat(chunks)
     return response_outputs(model, batch, attention, head=head)
+
+
+def _never_drawn(model, bias_V: torch.Tensor | None, weight_V_H: torch.Tensor) -> torch.Tensor | None:
+    """The output head's bias, the lowest float at the tokens the policy never draws (`rl.models.vision.never_sampled`):
+    probability 0, and no inf to make an entropy's 0·z a NaN."""
+    never = never_sampled(model)
+    if not never:
+        return bias_V
+    bias_V = torch.zeros(weight_V_H.shape[0], dtype=weight_V_H.dtype, device=weight_V_H.device) if bias_V is None \
+        else bias_V
+    return bias_V.index_fill(0, torch.tensor(never, device=bias_V.device), torch.finfo(bias_V.dtype).min)
 
 
 def _head_stats(hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor, bias_V: torch.Tensor | None, ids_N: torch.Tensor,

@@ -62,7 +62,7 @@ class Policy:
         self.precision, self.attention = precision, attention
         self.model_dir, self.lora = model_dir, lora
         model = models.from_pretrained(AutoModelForCausalLM, model_dir)
-        self.chunk_tokens = chunk_tokens_for(logit_chunk_tokens, micro_batch_tokens, model.config.vocab_size)
+        self.chunk_tokens = chunk_tokens_for(logit_chunk_tokens, micro_batch_tokens, model.config.get_text_config().vocab_size)
         use_precision(model, precision, device)
         if lora is not None:  # the base frozen, only the adapter trains (and sits in the optimizer)
             model = lora_adapters.wrap(model, lora, seed)

@@ -27,7 +27,7 @@ class Reference:
         self.rank, self.world_size, self.device, self.precision = rank, world_size, device, precision
         self.temperature, self.micro_batch_tokens, self.attention = temperature, micro_batch_tokens, attention
         self.vocab = vocab
-        self.chunk_tokens = chunk_tokens_for(logit_chunk_tokens, micro_batch_tokens, model.config.vocab_size)
+        self.chunk_tokens = chunk_tokens_for(logit_chunk_tokens, micro_batch_tokens, model.config.get_text_config().vocab_size)
 
     def log_probs(self, batch: Batch, topk: int = 0) -> torch.Tensor:
         """Log-probs `[B, T]` of the batch's responses; with `topk` = k, `[B, T, 1 + 2k]`: also this model's k most

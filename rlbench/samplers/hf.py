@@ -20,6 +20,7 @@ from rlbench import models
 from rlbench.algorithms import token_logp
 from rlbench.batch import Batch, left_pad
 from rlbench.models.lora import LoRA, module_pairs
+from rlbench.models.vision import forward_inputs, has_vision_tower, never_sampled
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
 from rlbench.samplers.base import SamplingParams, as_tensors
@@ -47,6 +48,8 @@ class HFSampler:
         self.lora = lora
         self.adapter: dict[str, torch.Tensor] = {}
         """Under LoRA, the adapter it samples with (by the policy's names; empty: the base model, as B = 0 starts)."""
+        self.never = torch.tensor(never_sampled(model), dtype=torch.long, device=model.device)
+        """Tokens it never draws (a vision-language model's image markup: `rl.models.vision.never_sampled`)."""
         self.kept = KVStore()
         """K/V of the contexts that ended with a stop token in calls with `keep_cache` (compact decoder only)."""
 
@@ -61,18 +64,23 @@ class HFSampler:
                    lora=lora)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
-                 interrupt: threading.Event | None = None) -> Batch:
+                 interrupt: threading.Event | None = None, images: Sequence[dict] | None = None) -> Batch:
         """The Sampler protocol's `generate`; `interrupt` (set from another thread) stops every row after the token
-        it is drawing (at least one): a partial rollout then continues them with new weights (`PartialRollouts`)."""
+        it is drawing (at least one): a partial rollout then continues them with new weights (`PartialRollouts`).
+        `images`: per prompt, its pixels and grids (`rl.models.vision.Vision.encode`'s dict, empty for none), for a
+        vision-language model whose prompt ids hold the image tokens."""
+        if images is not None and any(images) and not has_vision_tower(self.model):
+            raise ValueError(f"images given to a text-only model ({type(self.model).__name__}): it has no vision tower")
         stop_ids = torch.tensor(sorted({*self.stop_token_ids.tolist(), *params.stop_token_ids}), device=self.model.device)
         # inference mode costs a tenth less per op than no_grad; its tensors are cloned into ordinary ones
         with torch.inference_mode():
-            tokens_B_T, logp_B_T = self._decode(prompt_ids, params, stop_ids, interrupt)
+            tokens_B_T, logp_B_T = self._decode(prompt_ids, params, stop_ids, interrupt, images)
         self.kept.end_call()
         return self._responses(tokens_B_T.clone(), logp_B_T.clone(), stop_ids)
 
     def _decode(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, stop_ids: torch.Tensor,
-                interrupt: threading.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                interrupt: threading.Event | None = None,
+                images: Sequence[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What each row drew and its log-prob, `[B, steps]` (after a row's stop token: more draws, or pad)."""
         device = self.model.device
         keep = params.keep_cache and isinstance(self.decoder, CompactDecoder)
@@ -89,11 +97,14 @@ class HFSampler:
         rows_b = torch.arange(B, device=device)  # the rows still drawing ...
         context_b = rows_b // params.n  # ... and the decoder row that holds each one's context
         prompts = [[int(i) for i in ids] for ids in prompt_ids] if keep else None
-        logits_c_V = self._start(prompt_ids, T, prompts)
+        logits_c_V = self._start(prompt_ids, T, prompts, images)
         stopped = []  # (row, step, K/V) of each decoder row whose context ended with a stop token
         V = logits_c_V.shape[-1]
         for t in range(T):
-            token_b, token_logp_b = sample_next(logits_c_V[context_b].float(), params, uniform_B_T[rows_b, t])
+            logits_b_V = logits_c_V[context_b].float()
+            if len(self.never):
+                logits_b_V.index_fill_(-1, self.never, torch.finfo(logits_b_V.dtype).min)
+            token_b, token_logp_b = sample_next(logits_b_V, params, uniform_B_T[rows_b, t])
             tokens_B_T[rows_b, t], logp_B_T[rows_b, t] = token_b, token_logp_b
             running_b = ~torch.isin(token_b, stop_ids)
             if keep:
@@ -113,9 +124,13 @@ class HFSampler:
         return tokens_B_T[:, : t + 1], logp_B_T[:, : t + 1]
 
     def _start(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
-               prompts: list[list[int]] | None) -> torch.Tensor:
-        """Prefill the prompts; given their `prompts` (keep_cache), with the kept K/V of the contexts they continue."""
+               prompts: list[list[int]] | None, images: Sequence[dict] | None = None) -> torch.Tensor:
+        """Prefill the prompts; given their `prompts` (keep_cache), with the kept K/V of the contexts they continue;
+        given their `images`, with the pixels (a vision-language model decodes through transformers' forward)."""
         ids_N_P, mask_N_P = (x.to(self.model.device) for x in left_pad(prompt_ids, self.pad_token_id))
+        if images is not None and any(images):
+            return self.decoder.start(ids_N_P, mask_N_P, max_new_tokens,
+                                      inputs=forward_inputs(self.model, ids_N_P, mask_N_P, images))
         if prompts is None:
             return self.decoder.start(ids_N_P, mask_N_P, max_new_tokens)
         cached_N = self.kept.take(prompts, self.model.dtype, self.model.device)
@@ -201,13 +216,19 @@ class TransformersDecoder:
     def refresh(self) -> None:
         """Nothing to re-read: the forward uses the model's parameters directly."""
 
-    def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Prefill the prompts (see `CompactDecoder.start`)."""
+    def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int,
+              inputs: dict | None = None) -> torch.Tensor:
+        """Prefill the prompts (see `CompactDecoder.start`); `inputs`: more of the forward's keyword arguments, a
+        vision-language model's pixels and 3-D positions (`rl.models.vision.forward_inputs`). A prompt's last token
+        is text, so its three positions are equal and each new token's is one more (one position for all three)."""
         self.cache = DynamicCache()
-        position_N_P = (mask_N_P.cumsum(-1) - 1).clamp(min=0)
+        inputs = dict(inputs or {})
+        position_N_P = inputs.pop("position_ids", None)
+        if position_N_P is None:
+            position_N_P = (mask_N_P.cumsum(-1) - 1).clamp(min=0)
         logits_N_V = self.model(input_ids=ids_N_P, attention_mask=mask_N_P, position_ids=position_N_P,
-                                past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        self.attention_N_L, self.position_N = mask_N_P, position_N_P[:, -1]
+                                past_key_values=self.cache, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
+        self.attention_N_L, self.position_N = mask_N_P, position_N_P[..., -1].reshape(-1, len(ids_N_P))[0]
         return logits_N_V
 
     def keep(self, rows_c: torch.Tensor) -> None:

@@ -53,10 +53,11 @@ def prepare(cfg: Config, algorithm: Algorithm, task):
     mode_of(cfg).check(cfg, algorithm, task)
     model_dir = str(models.resolve(cfg.model))
     tokenizer = models.load_tokenizer(model_dir)
+    check_images(cfg, task)
     if isinstance(task, tasks.AgentTask):  # first turns come from the environment: their length is per turn
         models.check_fits(model_dir, tokenizer, max_prompt_tokens=None, max_new_tokens=cfg.max_new_tokens)
         return task, model_dir, tokenizer
-    tasks.check_prompts(task)
+    tasks.check_prompts(task, takes_images=models.vision.has_vision(model_dir))
     task = tasks.limit_prompt_tokens(task, tokenizer, cfg.max_prompt_tokens, on_long=cfg.long_prompts)
     room = models.prompt_room(model_dir, cfg.max_new_tokens)
     longest = cfg.max_prompt_tokens or tasks.longest_prompt_tokens(
@@ -64,6 +65,18 @@ def prepare(cfg: Config, algorithm: Algorithm, task):
     models.check_fits(model_dir, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens,
                       longest_prompt_tokens=longest)
     return task, model_dir, tokenizer
+
+
+def check_images(cfg: Config, task) -> None:
+    """ValueError for a task with images on a path that does not take them yet: agentic episodes, the vLLM
+    sampler, a sampler object (the HF sampler's decode takes them)."""
+    if not tasks.has_images(task):
+        return
+    name = getattr(task, "name", task)
+    if isinstance(task, tasks.AgentTask):
+        raise ValueError(f"task {name!r} has images: agentic episodes do not take images yet")
+    if cfg.sampler == "vllm":
+        raise ValueError(f"task {name!r} has images: the vllm sampler does not take them yet (use sampler='hf')")
 
 
 def teacher(cfg: Config, tokenizer, task) -> str | None:

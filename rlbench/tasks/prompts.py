@@ -7,10 +7,13 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from rlbench.models.chat import messages_of, render_prompt
+from rlbench.models.vision import IMAGE_MARK
 from rlbench.tasks.base import Task
 from rlbench.tasks.data import DataTask
 
@@ -31,9 +34,10 @@ def longest_prompt_tokens(tokenizer, examples: Sequence[dict], *, fits: Callable
     return bound if fits(bound) else max(prompt_tokens(tokenizer, examples), default=0)
 
 
-def check_prompts(task: Task) -> None:
+def check_prompts(task: Task, *, takes_images: bool = False) -> None:
     """ValueError naming the split and position of the first example without a usable prompt (no 'prompt'
-    field, an empty one, malformed chat messages, images), or saying that the task has no train examples."""
+    field, an empty one, malformed chat messages; images for a model that does not take them (`takes_images`), or
+    not one `<image>` mark per image), or saying that the task has no train examples."""
     if not len(task.train):
         raise ValueError(f"task {task.name!r} has no train examples")
     for split_name in ("train", "test"):
@@ -42,14 +46,35 @@ def check_prompts(task: Task) -> None:
                 if not isinstance(example, dict) or "prompt" not in example:
                     fields = sorted(example) if isinstance(example, dict) else type(example).__name__
                     raise ValueError(f"no 'prompt' field (has: {fields})")
-                messages_of(example["prompt"])
-                if example.get("images"):  # never trained as text alone, silently
-                    raise ValueError("it carries images ('images'), and a session does not pass images to the model "
-                                     "yet (rlbench.models.vision encodes them; the loop does not take them): its "
-                                     "prompt would be trained as text alone")
+                messages = messages_of(example["prompt"])
+                if example.get("images"):
+                    _check_images(example, messages, takes_images)
             except ValueError as error:
                 origin = _origin(example) if isinstance(example, dict) else ""
                 raise ValueError(f"{split_name} example {i} of task {task.name!r}{origin}: {error}") from None
+
+
+def _check_images(example: dict, messages: list[dict] | None, takes_images: bool) -> None:
+    """ValueError if the example's images cannot reach the model: a text-only one (never trained as text alone,
+    silently), or `<image>` marks that do not pair up with the images (`rl.models.vision.Vision.encode`)."""
+    images = example["images"]
+    if not takes_images:
+        raise ValueError(f"it has {len(images)} image(s) ('images') and the model is text-only (no vision tower): "
+                         f"use a vision-language model (e.g. model='tiny-vl'), or drop the images")
+    for image in images:  # a file named but not there: found now, not at its first rollout
+        path = image.get("path") if isinstance(image, dict) and not image.get("bytes") else image
+        if isinstance(path, (str, os.PathLike)) and not Path(path).is_file():
+            raise ValueError(f"its image {str(path)!r} is not a file")
+    text = example["prompt"] if messages is None else "".join(str(m.get("content", "")) for m in messages)
+    marks = text.count(IMAGE_MARK)
+    if marks not in (0, len(images)):
+        raise ValueError(f"its prompt has {marks} {IMAGE_MARK} mark(s) and {len(images)} image(s): each image "
+                         f"needs its own mark (or none has one: then the images go before the text)")
+
+
+def has_images(task: Task) -> bool:
+    """Whether some example of the task carries images."""
+    return any(isinstance(e, dict) and e.get("images") for split in (task.train, task.test) for e in split)
 
 
 def limit_prompt_tokens(task: Task, tokenizer, max_tokens: int | None, *, on_long: str = "error") -> Task:

@@ -22,6 +22,7 @@ from rlbench.policy import Critic, Policy, Reference
 from rlbench.policy.training import OptimSettings
 from rlbench.rewards import TaskScorer, sandbox_info
 from rlbench.runs.progress import bar as progress_bar
+from rlbench.models.vision import Vision
 from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams, VLLMSampler
 from rlbench.samplers import vllm as vllm_sampler
 from rlbench.workers.cluster import Ray, WorkerGroup, acquire_ray, check_resources, release_ray
@@ -191,7 +192,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
     own = {"reference": algorithm.needs_reference and not lora_reference, "teacher": teacher_dir is not None,
            "critic": algorithm.needs_critic}
     on = {part: (group(part, cfg.world_size) if separate else policy) for part, wanted in own.items() if wanted}
-    factory, kwargs, choice, why = _sampler_factory(cfg, model_dir, device)
+    factory, kwargs, choice, why = _sampler_factory(cfg, model_dir, device, images=tasks.has_images(task))
     # each rollout worker runs a rollout, a weights push and an evaluation at once
     samplers = [group(f"rollout-{i}", 1, concurrency=4) for i in range(rollout_workers)] or [group("sampler", 1)]
     agentic = isinstance(task, tasks.AgentTask)
@@ -248,7 +249,8 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
         sampler = rollout[0]
     else:
         rollout = restart_rollout = None
-        sampler = SamplerHandle(samplers[0], tokenizer, choice, why, sleeps=cfg.vllm_sleep and choice == "vllm")
+        sampler = SamplerHandle(samplers[0], tokenizer, choice, why, sleeps=cfg.vllm_sleep and choice == "vllm",
+                                vision=Vision.of(model_dir, tokenizer))
     scorer = episodes = None
     if agentic:
         episodes = _episode_runner(cfg, task, model_dir, tokenizer, sampler, EnvHandle(last))
@@ -331,24 +333,25 @@ def check_sandbox(sandbox: str | None, cluster) -> None:
                          f"os.environ['RLBENCH_SANDBOX'] = {sandbox!r} yourself before the session")
 
 
-def _sampler_factory(cfg: Config, model_dir: str, device: str):
+def _sampler_factory(cfg: Config, model_dir: str, device: str, images: bool = False):
     """(factory, its keyword arguments, which sampler, why that one) for `cfg.sampler`.
 
     "auto" takes vLLM on a GPU; on a CPU the HF decode loop, measured faster there than vLLM's CPU build
-    (benchmarks/vllm_sampler.py) and without its engine start-up.
+    (benchmarks/vllm_sampler.py) and without its engine start-up; for prompts with `images`, the HF one (the vLLM
+    sampler does not take them yet).
     """
     if not isinstance(cfg.sampler, str):
         return (lambda: cfg.sampler), {}, type(cfg.sampler).__name__, "given (sampler=)"
     usable, why = vllm_sampler.available()
     if cfg.sampler == "vllm" and not usable:
         raise ValueError(f"sampler='vllm' cannot run here: {why}")
-    if cfg.sampler == "vllm" or (cfg.sampler == "auto" and usable and device == "cuda"):
+    if cfg.sampler == "vllm" or (cfg.sampler == "auto" and usable and device == "cuda" and not images):
         longest = cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_new_tokens
         settings = dict(kv_cache_bytes=cfg.vllm_kv_cache_bytes, max_model_len=cfg.vllm_max_model_len or longest,
                         enforce_eager=cfg.vllm_enforce_eager, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                         sleep_mode=cfg.vllm_sleep, lora=cfg.lora)
         return VLLMSampler.from_pretrained, dict(model_dir=model_dir, **settings), "vllm", why
     reason = ("asked for (sampler='hf')" if cfg.sampler == "hf" else why if not usable
-              else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")
+              else "the prompts have images" if images else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")
     return (HFSampler.from_pretrained, dict(model_dir=model_dir, device=device, precision=cfg.precision, lora=cfg.lora),
             "hf", reason)

@@ -210,12 +210,16 @@ class Pending:
         return self.merge(self.group._get(self.futures, self.what))
 
 
+RANK_LISTS = ("image_inputs",)
+"""The list columns a training rank reads: a vision-language model's pixels and grids, per row."""
+
+
 def _shard(batch: Batch, rows: list[int]) -> Batch:
-    """What a training rank gets of `batch`: these rows' tensor columns and the whole-batch values (`meta`, a few
-    names and numbers). The text and the examples stay with the driver (no rank reads them, and pickling them to a
-    Ray actor costs more than the tensors)."""
+    """What a training rank gets of `batch`: these rows' tensor columns and `RANK_LISTS`, and the whole-batch values
+    (`meta`, a few names and numbers). The text and the examples stay with the driver (no rank reads them, and
+    pickling them to a Ray actor costs more than the tensors)."""
     rows_batch = batch if len(rows) == len(batch) else batch[rows]  # rows ascending: all is batch
-    return Batch(rows_batch.tensors, meta=batch.meta)
+    return Batch(rows_batch.tensors, {k: rows_batch[k] for k in RANK_LISTS if k in rows_batch}, meta=batch.meta)
 
 
 def balance(batch: Batch, n: int) -> list[list[int]]:

@@ -10,6 +10,7 @@ split by token count) or the one worker. Tinker-style custom loops use them dire
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 
@@ -19,6 +20,7 @@ from rlbench import tasks
 from rlbench.agents import EnvPool
 from rlbench.algorithms import Algorithm
 from rlbench.batch import Batch, left_pad
+from rlbench.models.vision import Vision, load_image
 from rlbench.policy import Critic, Policy, Reference
 from rlbench.policy.fsdp import loss_mask, merge_ranks
 from rlbench.rewards import TaskScorer
@@ -183,8 +185,11 @@ class SamplerHandle:
     handle meanwhile wait for it and run on it (and fail with its reason if it cannot be started)."""
 
     def __init__(self, workers: WorkerGroup, tokenizer, choice: str, why: str, sleeps: bool = False,
-                 restart: Callable[[WorkerGroup], WorkerGroup] | None = None):
+                 restart: Callable[[WorkerGroup], WorkerGroup] | None = None, vision: Vision | None = None):
         self._workers, self.tokenizer = workers, tokenizer
+        self.vision = vision
+        """A vision-language model's image tokens and processor (None: a text model): examples' `images` are
+        encoded into their prompts (`rl.models.vision.Vision.encode`) and passed to the sampler."""
         self.choice = choice
         """Which sampler runs: "hf", "vllm", or a given Sampler's class name."""
         self.why = why
@@ -261,8 +266,26 @@ class SamplerHandle:
         examples = [e if isinstance(e, dict) else {"prompt": e} for e in examples_or_prompts]
         if not examples:
             raise ValueError("generate: no examples or prompts given")
-        prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
-        return self._table(examples, prompt_ids, self.generate_ids(prompt_ids, params), params.n)
+        encoded = [self.encode_example(i, e) for i, e in enumerate(examples)]
+        prompt_ids, inputs = [ids for ids, _, _ in encoded], [pixels for _, pixels, _ in encoded]
+        out = self._call(_sampler_generate, prompt_ids, params, inputs if any(inputs) else None)
+        return self._table(examples, prompt_ids, out, params.n, [(images, pixels) for _, pixels, images in encoded])
+
+    def encode_example(self, i: int, example: dict) -> tuple[list[int], dict, list]:
+        """(prompt ids, its images' pixels and grids ({} without), its images as PIL images) of the i-th example of a
+        call; ValueError naming it when its images cannot be read or do not pair up with its `<image>` marks, or the
+        model takes none."""
+        images = example.get("images") or []
+        if self.vision is None:
+            if images:
+                raise ValueError(f"example {i}: it has {len(images)} image(s) and the model is text-only")
+            return self.encode_prompt(example["prompt"]), {}, []
+        try:
+            loaded = [load_image(image) for image in images]
+            text = tasks.render_prompt(self.tokenizer, example["prompt"])
+            return (*self.vision.encode(self.tokenizer, text, loaded), loaded)
+        except (OSError, TypeError, ValueError) as error:
+            raise ValueError(f"example {i} ({str(example['prompt'])[:60]!r}): {error}") from error
 
     def rollout(self, examples: list[dict], params: SamplingParams, min_version: int) -> Batch:
         """An asynchronous run's rollout (`rl.samplers.PartialRollouts.rollout`): `generate`'s table plus
@@ -282,17 +305,23 @@ class SamplerHandle:
                 return
         self._call(PartialRollouts.push_weights, weights, version, again=False)
 
-    def _table(self, examples: list[dict], prompt_ids: list[list[int]], out: Batch, n: int) -> Batch:
-        """The sampler's output with the prompts, the completions' text and the group ids."""
+    def _table(self, examples: list[dict], prompt_ids: list[list[int]], out: Batch, n: int,
+               images: list[tuple[list, dict]] | None = None) -> Batch:
+        """The sampler's output with the prompts, the completions' text and the group ids; with `images` (per
+        example, its PIL images and their pixels), each row's prompt images (`images`, shown as thumbnails) and
+        their pixels and grids (`image_inputs`, what the trainer's forward takes)."""
         rows = [i for i in range(len(examples)) for _ in range(n)]
         ids_B_P, mask_B_P = left_pad([prompt_ids[i] for i in rows], self.tokenizer.pad_token_id)
         completions = self.tokenizer.batch_decode(
             [ids[: k - int(done)] for ids, k, done in
              zip(out["response_ids"].tolist(), out["response_mask"].sum(-1).tolist(), out["finished"].tolist())])
+        more = {}
+        if images and any(pixels for _, pixels in images):
+            more = {"images": [images[i][0] for i in rows], "image_inputs": [images[i][1] for i in rows]}
         return out.with_columns(
             prompt=[examples[i]["prompt"] for i in rows], completion=completions,
             group_ids=torch.tensor(rows), prompt_ids=ids_B_P, prompt_mask=mask_B_P,
-            example=[examples[i] for i in rows])
+            example=[examples[i] for i in rows], **more)
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
         """The sampler's own output for token-id prompts (`rl.samplers.Sampler.generate`): `response_ids`,
@@ -360,8 +389,13 @@ class ScorerHandle:
 
 # A sampler is any object following the Sampler protocol (HFSampler, VLLMSampler, a user's): these call its
 # methods whatever its class.
-def _sampler_generate(sampler, prompt_ids, params):
-    return sampler.generate(prompt_ids, params)
+def _sampler_generate(sampler, prompt_ids, params, images=None):
+    if images is None:
+        return sampler.generate(prompt_ids, params)
+    if "images" not in inspect.signature(sampler.generate).parameters:
+        raise ValueError(f"the prompts have images and the {type(sampler).__name__} sampler does not take them "
+                         f"(its generate() has no images=)")
+    return sampler.generate(prompt_ids, params, images=images)
 
 
 def _sampler_load_weights(sampler, weights):
