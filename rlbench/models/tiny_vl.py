@@ -5,8 +5,8 @@ tokens: typed as text they stay text); Qwen2-VL's image processor at 8-pixel pat
 8 x 8 patches, merged 2 x 2 into 16 image tokens; a fresh `Qwen2VLForConditionalGeneration` with a one-block vision
 tower (`build_model`), trained with supervision on the task's training pictures (loss on the answer and EOS) until
 greedy held-out accuracy is between `STOP_AT` and `OVERSHOOT`: well above what answering blind gives (0.145) and
-what it answers of blanked pictures (earlier, at 0.26, it barely looked: 0.225 with blank pictures), far from what
-looking carefully gives, so RL has something to teach (`tests/test_vision.py` checks both). Cached like the other built-ins under
+what it answers of blanked pictures (stopped much earlier, it answers blank pictures about as well: it has not learnt
+to look yet), far from what looking carefully gives (`tests/test_vision.py` checks the band and the blank pictures). Cached like the other built-ins under
 `$RLBENCH_CACHE/models/`; deterministic for a seed.
 """
 
