@@ -1,8 +1,8 @@
 """The pictures and questions of the "shapes" task (`rlbench.tasks.shapes`), which tiny-vl was warm-started on.
 
-`split(...)` gives the task's train and held-out examples, `problems(n, ...)` draws `n` seeded examples: a picture of coloured shapes, a question about it and its answer
-(see the task's docstring for the kinds of question); `draw` renders shapes; `blind_accuracy` is what answering
-without looking reaches.
+`split(...)` gives the task's train and held-out examples; `problems(n, ...)` draws `n` seeded examples (a picture
+of coloured shapes, a question about it and its answer: the task's docstring lists the kinds of question); `draw`
+renders shapes; `blind_accuracy` is what answering without looking reaches.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ tokens: typed as text they stay text); Qwen2-VL's image processor at 8-pixel pat
 tower (`build_model`), trained with supervision on the task's training pictures (loss on the answer and EOS) until
 greedy held-out accuracy is between `STOP_AT` and `OVERSHOOT`: well above what answering blind gives (0.145) and
 what it answers of blanked pictures (stopped much earlier, it answers blank pictures about as well: it has not learnt
-to look yet), far from what looking carefully gives (`tests/test_vision.py` checks the band and the blank pictures). Cached like the other built-ins under
-`$RLBENCH_CACHE/models/`; deterministic for a seed.
+to look yet), far from what looking carefully gives (`tests/test_vision.py` checks the band and the blank pictures).
+Cached like the other built-ins under `$RLBENCH_CACHE/models/`; deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def build_image_processor():
 
 
 def build_model(seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None) -> Qwen2VLForConditionalGeneration:
-    """The untrained model; depends only on `seed`."""
+    """The untrained model; its initialisation depends only on `seed` (global RNG untouched)."""
     tokenizer = tokenizer or build_vl_tokenizer()
     start, image, end = tokenizer.convert_tokens_to_ids(list(IMAGE_TOKENS))
     special = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
@@ -65,8 +65,9 @@ def build_model(seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None)
         vision_config=dict(depth=1, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=PATCH,
                            spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3),
         image_token_id=image, vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True, **special)
-    torch.manual_seed(seed)
-    return Qwen2VLForConditionalGeneration(config)
+    with torch.random.fork_rng(devices=[]):  # the global RNG untouched
+        torch.manual_seed(seed)
+        return Qwen2VLForConditionalGeneration(config)
 
 
 def cache_dir(seed: int = 0) -> Path:

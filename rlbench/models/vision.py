@@ -121,7 +121,7 @@ def load_image(image):
     from PIL import Image
 
     if isinstance(image, Image.Image):
-        return image.convert("RGB")
+        return image if image.mode == "RGB" else image.convert("RGB")  # loaded once: no copy when encoded again
     if isinstance(image, dict):
         if image.get("bytes"):
             return Image.open(io.BytesIO(image["bytes"])).convert("RGB")

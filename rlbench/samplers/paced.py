@@ -1,8 +1,8 @@
 """A sampler slowed to a chosen decoding speed: the sampler-bound regime of GPU recipes, at toy size on a CPU.
 
-On a GPU recipe (responses of 1-4k tokens) sampling a step takes several times its update (the GPU check:
-rollout 20-22 s, update 5 s), so an asynchronous run's rollout worker is always generating when new weights
-arrive, and rows take them mid-generation (partial rollouts). A built-in tiny model answers in a few tokens and
+On a GPU recipe (responses of 1-4k tokens) sampling a step takes several times its update (the GPU check's GRPO steps
+in `benchmarks/results/gpu/check.json`: rollout 20.4-21.8 s, update 4.6-6.3 s), so an asynchronous run's rollout
+worker is always generating when new weights arrive, and rows take them mid-generation (partial rollouts). A built-in tiny model answers in a few tokens and
 its whole step's sampling takes a fraction of an update: the worker is idle when weights arrive, and no row is
 ever partial. `Paced(sampler, seconds_per_token)` makes each decoding step take at least that long (the tokens,
 log-probs and seeds are the wrapped sampler's own), so the staleness, the trainer's waits and the partial rollouts
