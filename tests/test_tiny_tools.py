@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 import rlbench.models as models
@@ -237,11 +236,11 @@ def test_episode_metrics_agree_with_a_plain_greedy_loop(built):
     assert abs(right / len(pairs) - batched) <= 1 / len(pairs)  # at most one near-tie decided differently
 
 
-@pytest.mark.slow
-def test_build_is_deterministic(built, tmp_path, monkeypatch):
-    cached = models.resolve("tiny-tools")
-    monkeypatch.setenv("RLBENCH_CACHE", str(tmp_path))
-    again = models.resolve("tiny-tools")
-    assert again != cached and again.is_relative_to(tmp_path)
-    first, second = load_file(cached / "model.safetensors"), load_file(again / "model.safetensors")
-    assert all(torch.equal(first[k], second[k]) for k in first), f"{cached} differs from a fresh build: bump VERSION?"
+def test_build_is_deterministic(monkeypatch):
+    """Two builds of seed 0 give the same weights (the build stopped at its first check: a whole build is 300-700
+    steps, and a step that differs shows in the first ones as well)."""
+    monkeypatch.setattr(tiny_tools, "STOP_AT", 0.0)
+    monkeypatch.setattr(tiny_tools, "OVERSHOOT", 1.0)
+    first, second = (tiny_tools.train_tiny_tools(0)[0].state_dict() for _ in range(2))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first), [k for k in first if not torch.equal(first[k], second[k])]
