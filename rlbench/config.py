@@ -131,6 +131,10 @@ class Config:
     table of the same keys; None: every weight trains). Only the adapter trains and sits in the optimizer; the
     reference policy is the policy with the adapter off; weight syncs and checkpoints carry the adapter alone;
     `export()` writes the merged model or, with `adapter=True`, the adapter in peft's format (`rlbench/models/lora.py`)."""
+    freeze_vision: bool = False
+    """A vision-language policy's vision tower (Qwen2-VL's `visual`: patch embedding, blocks and the merger into the
+    language model's space) stays as loaded: no gradient, not in the optimizer; the language model trains. Under
+    LoRA the vision tower gets no adapter either way. ValueError for a model without a vision tower."""
     teacher: str | None = None
     """On-policy distillation: a frozen teacher that scores the policy's own samples (`teacher_logp` per token, and
     its top-k distribution when the algorithm has forward_kl_coef; at `temperature`, as the policy's log-probs are):

@@ -89,6 +89,7 @@ BAD = [  # (field, value, the start of the error)
     ("attention", "flash", "attention='flash' is not one of: 'auto', 'packed', 'per_sample'"),
     ("attention", None, "attention: expected str, got None (NoneType)"),
     ("activation_checkpointing", 1, "activation_checkpointing: expected bool, got 1 (int)"),
+    ("freeze_vision", "yes", "freeze_vision: expected bool, got 'yes' (str)"),
     ("logit_chunk_tokens", -1, "logit_chunk_tokens must be an integer >= 0, got -1"),
     ("logit_chunk_tokens", 4096.0, "logit_chunk_tokens: expected int or none, got 4096.0 (float)"),
     ("teacher", 3, "teacher: expected str or none, got 3 (int)"),

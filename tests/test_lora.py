@@ -197,7 +197,7 @@ def test_the_hf_sampler_refuses_an_adapter_that_does_not_fit(tiny):
     b = torch.zeros(model.config.vocab_size, 4)
     with pytest.raises(ValueError, match="not a LoRA adapter tensor: 'model.layers.0.mlp.up_proj.weight'"):
         sampler.load_weights({"model.layers.0.mlp.up_proj.weight": a})
-    with pytest.raises(ValueError, match="not to 'lm_head'"):
+    with pytest.raises(ValueError, match="cannot apply LoRA to 'lm_head': it adapts a block's linear layers only"):
         sampler.load_weights({"base_model.model.lm_head.lora_A.default.weight": a,
                               "base_model.model.lm_head.lora_B.default.weight": b})
     with pytest.raises(ValueError, match="without both lora_A and lora_B"):

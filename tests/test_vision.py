@@ -167,6 +167,37 @@ def test_a_step_on_image_prompts_trains_on_what_the_sampler_saw(task):
         assert abs(row["sampler_kl"]) < 1e-5 and row["clip_frac"] == 0.0
 
 
+def test_lora_adapts_the_language_model_and_the_sampler_merges_it(task):
+    """Under LoRA only the language model's layers get adapters (the vision tower none), and after steps that moved
+    the adapter the HF sampler (a vision-language model decodes through transformers' forward, its adapter merged
+    into the weights) still draws what the trainer computes, within the text bound."""
+    with rl.Session(task=task, **SMALL | {"lora": rl.LoRA(rank=4, alpha=8), "lr": 1e-2}) as s:
+        adapter = {name: tensor.clone() for name, tensor in s.policy.state_dict().items()}
+        assert adapter and all(".language_model.layers." in name for name in adapter), sorted(adapter)[:4]
+        s.run(2, progress=False)
+        assert any(not torch.equal(s.policy.state_dict()[n], adapter[n]) for n in adapter)  # it moved
+        batch = s.rollout()
+        mask = batch["response_mask"].bool()
+        assert_close(s.workers.policy.log_probs(batch)[mask], batch["sampler_logp"][mask], atol=1e-5)
+
+
+def test_freeze_vision_trains_the_language_model_only(task, tiny_dir):
+    """`freeze_vision=True`: the vision tower's weights (its merger too) are as loaded after steps, the language
+    model's moved, and the sampler draws from the trained weights; on a text model it is refused, naming it."""
+    with rl.Session(task=task, **SMALL | {"freeze_vision": True, "lr": 1e-2}) as s:
+        before = {name: tensor.clone() for name, tensor in s.policy.state_dict().items()}
+        s.run(2, progress=False)
+        after = s.policy.state_dict()
+        moved = {name for name in before if not torch.equal(before[name], after[name])}
+        assert moved and all(".visual." not in name for name in moved), sorted(moved)[:4]
+        assert any(name.startswith("model.language_model.") for name in moved)
+        batch = s.rollout()
+        mask = batch["response_mask"].bool()
+        assert_close(s.workers.policy.log_probs(batch)[mask], batch["sampler_logp"][mask], atol=1e-5)
+    with pytest.raises(ValueError, match="freeze_vision=True, but model .* has no vision tower"):
+        rl.Session(**SMALL | {"model": tiny_dir, "freeze_vision": True})
+
+
 def test_bad_images_are_named_before_or_when_they_are_used(task, tmp_path, tiny_dir):
     """A text-only model given images, more images than marks, a missing file: refused at the start naming the row;
     an unreadable file: at the rollout that reads it, naming the example."""

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from rlbench.models.vision import VISION_TOWER, has_vision_tower
+
 _ADAPTER = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.default\.weight$")
 _PREFIX = "base_model.model."
 
@@ -94,13 +96,17 @@ class LoRA:
 
 def wrap(model: torch.nn.Module, lora: LoRA, seed: int = 0) -> torch.nn.Module:
     """`model` with adapters added in place (a peft model around it): the base weights frozen, the adapters trainable,
+    on the language model's layers only (a vision-language model's vision tower gets none: it stays as loaded),
     initialised as peft does, A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a = sqrt(5)) and B = 0, so the
     wrapped model computes exactly the base's outputs. A is drawn from `seed` (peft draws from torch's global
     generator, which is put back as it was: building a policy draws nothing from it)."""
     from peft import get_peft_model
 
+    config = lora.peft_config()
+    if has_vision_tower(model):  # the language model's layers only: the vision tower stays as loaded, frozen
+        config.exclude_modules = rf"(.*\.)?{VISION_TOWER}\..*"
     with torch.random.fork_rng(devices=[]):
-        model = get_peft_model(model, lora.peft_config())
+        model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

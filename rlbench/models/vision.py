@@ -84,6 +84,21 @@ def has_vision_tower(model) -> bool:
     return getattr(model.config, "vision_config", None) is not None
 
 
+VISION_TOWER = "visual"
+"""The vision tower's module name in the Qwen2-VL family (`model.visual`: its patch embedding, blocks and merger)."""
+
+
+def vision_tower(model) -> torch.nn.Module | None:
+    """A loaded vision-language model's vision tower (also inside a peft wrapper), or None for a text model."""
+    if not has_vision_tower(model):
+        return None
+    towers = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == VISION_TOWER]
+    if len(towers) != 1:
+        raise ValueError(f"{type(model).__name__} has {len(towers)} modules named {VISION_TOWER!r}: expected its one "
+                         f"vision tower (a model of the Qwen2-VL family)")
+    return towers[0]
+
+
 def never_sampled(model) -> list[int]:
     """The token ids a vision-language model's policy never draws: its image markup (`<|vision_start|>`,
     `<|image_pad|>`, `<|vision_end|>`, and the video ones where it has them). They stand for pixels only in a
@@ -109,7 +124,8 @@ def forward_inputs(model, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor,
         return {}
     mm_B_T = (ids_B_T == model.config.image_token_id).int()
     grid_I_3 = torch.cat([row["image_grid_thw"] for row in rows]).to(ids_B_T.device)
-    position_3_B_T, _ = model.model.get_rope_index(ids_B_T, image_grid_thw=grid_I_3, attention_mask=mask_B_T,
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a LoRA policy: peft's wrapper)
+    position_3_B_T, _ = base.model.get_rope_index(ids_B_T, image_grid_thw=grid_I_3, attention_mask=mask_B_T,
                                                    mm_token_type_ids=mm_B_T)
     pixels = torch.cat([row["pixel_values"] for row in rows]).to(ids_B_T.device, model.dtype)
     return {"pixel_values": pixels, "image_grid_thw": grid_I_3, "mm_token_type_ids": mm_B_T,

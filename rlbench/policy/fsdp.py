@@ -19,6 +19,7 @@ from rlbench import algorithms as alg
 from rlbench import models
 from rlbench.batch import Batch
 from rlbench.models import lora as lora_adapters
+from rlbench.models.vision import vision_tower
 from rlbench.policy import checkpoint
 from rlbench.policy.forward import (batch_logp, chunk_tokens_for, rank_micro_batches, response_logits,
                                    response_stats)
@@ -55,7 +56,7 @@ class Policy:
                  init_method: str | None = None, temperature: float = 1.0, micro_batch_tokens: int = 4096,
                  device: str = "cpu", precision: str = "fp32", attention: str = "auto",
                  activation_checkpointing: bool = False, lora: lora_adapters.LoRA | None = None, seed: int = 0,
-                 logit_chunk_tokens: int | None = None):
+                 logit_chunk_tokens: int | None = None, freeze_vision: bool = False):
         init_process_group(rank, world_size, init_method, device)
         self.rank, self.world_size = rank, world_size
         self.temperature, self.micro_batch_tokens, self.device = temperature, micro_batch_tokens, device
@@ -64,6 +65,8 @@ class Policy:
         model = models.from_pretrained(AutoModelForCausalLM, model_dir)
         self.chunk_tokens = chunk_tokens_for(logit_chunk_tokens, micro_batch_tokens, model.config.get_text_config().vocab_size)
         use_precision(model, precision, device)
+        if freeze_vision:  # before sharding: FSDP2 keeps each parameter's requires_grad
+            vision_tower(model).requires_grad_(False)
         if lora is not None:  # the base frozen, only the adapter trains (and sits in the optimizer)
             model = lora_adapters.wrap(model, lora, seed)
         if activation_checkpointing:

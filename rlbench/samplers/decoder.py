@@ -31,6 +31,9 @@ def supports(model) -> bool:
 
 
 class CompactDecoder:
+    adaptable_layers = "a block's linear layers only (q, k, v, o, gate, up, down projections)"
+    """What `adaptable` lists, in words (for the error naming a layer it cannot adapt)."""
+
     def __init__(self, model):
         if not supports(model):
             raise ValueError(f"CompactDecoder supports {SUPPORTED_MODEL_TYPES} with full attention, "

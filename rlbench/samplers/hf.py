@@ -19,7 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from rlbench import models
 from rlbench.algorithms import token_logp
 from rlbench.batch import Batch, left_pad
-from rlbench.models.lora import LoRA, module_pairs
+from rlbench.models.lora import LoRA, delta, module_pairs
 from rlbench.models.vision import forward_inputs, has_vision_tower, never_sampled
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
@@ -42,9 +42,6 @@ class HFSampler:
         self.pad_token_id = pad_token_id
         self.stop_token_ids = torch.tensor(sorted({eos_token_id, *stop_token_ids}), dtype=torch.long)
         self.decoder = CompactDecoder(model) if decoder.supports(model) else TransformersDecoder(model)
-        if lora is not None and not isinstance(self.decoder, CompactDecoder):
-            raise ValueError(f"LoRA on the hf sampler needs a model of type {', '.join(decoder.SUPPORTED_MODEL_TYPES)} "
-                             f"(its adapter is merged into the compact decoder's weights), not {model.config.model_type!r}")
         self.lora = lora
         self.adapter: dict[str, torch.Tensor] = {}
         """Under LoRA, the adapter it samples with (by the policy's names; empty: the base model, as B = 0 starts)."""
@@ -192,8 +189,8 @@ class HFSampler:
         pairs, shapes = module_pairs(adapter), self.decoder.adaptable()
         for module, (A, B) in pairs.items():
             if module not in shapes:
-                raise ValueError(f"the hf sampler applies LoRA to a block's linear layers only (q, k, v, o, gate, up, "
-                                 f"down projections), not to {module!r}")
+                raise ValueError(f"the hf sampler cannot apply LoRA to {module!r}: it adapts "
+                                 f"{self.decoder.adaptable_layers}")
             if (B.shape[0], A.shape[1]) != shapes[module] or A.shape[0] != B.shape[1]:
                 raise ValueError(f"adapter does not fit the sampler's model: {module} changes a weight of shape "
                                  f"{(B.shape[0], A.shape[1])} (A {tuple(A.shape)}, B {tuple(B.shape)}), not "
@@ -210,11 +207,28 @@ class TransformersDecoder:
     """start / step over any transformers causal LM, with its DynamicCache (nothing kept across calls:
     `keep_cache` has no effect on this path)."""
 
+    adaptable_layers = "the model's linear layers"
+
     def __init__(self, model: PreTrainedModel):
         self.model = model
+        self.adapter: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lora: LoRA | None = None
+        """A LoRA adapter, `{module path: (A, B)}` and its `rl.LoRA` (`HFSampler.load_weights`), merged into the
+        model's own weights by `refresh`: each adapted weight becomes W + s · B A, W kept in `base`."""
+        self.base: dict[str, torch.Tensor] = {}
 
+    def adaptable(self) -> dict[str, torch.Size]:
+        """{module path: weight shape} of the linear layers an adapter may change (all of them)."""
+        return {name: m.weight.shape for name, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+    @torch.no_grad()
     def refresh(self) -> None:
-        """Nothing to re-read: the forward uses the model's parameters directly."""
+        """Merge the adapter into the adapted layers' weights (from the weights as loaded, kept at the first merge);
+        without one, nothing to do: the forward reads the model's parameters."""
+        for module, (A, B) in self.adapter.items():
+            weight = self.model.get_submodule(module).weight
+            base = self.base.setdefault(module, weight.detach().clone())
+            weight.copy_((base.float() + delta(A, B, self.lora)).to(weight.dtype))
 
     def start(self, ids_N_P: torch.Tensor, mask_N_P: torch.Tensor, max_new_tokens: int,
               inputs: dict | None = None) -> torch.Tensor:

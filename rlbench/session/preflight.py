@@ -54,6 +54,9 @@ def prepare(cfg: Config, algorithm: Algorithm, task):
     model_dir = str(models.resolve(cfg.model))
     tokenizer = models.load_tokenizer(model_dir)
     check_images(cfg, task)
+    if cfg.freeze_vision and not models.vision.has_vision(model_dir):
+        raise ValueError(f"freeze_vision=True, but model {cfg.model!r} has no vision tower (its config.json has no "
+                         f"vision_config)")
     if isinstance(task, tasks.AgentTask):  # first turns come from the environment: their length is per turn
         models.check_fits(model_dir, tokenizer, max_prompt_tokens=None, max_new_tokens=cfg.max_new_tokens)
         return task, model_dir, tokenizer

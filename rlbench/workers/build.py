@@ -204,7 +204,7 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
     heads = dict(precision=cfg.precision, logit_chunk_tokens=cfg.logit_chunk_tokens)  # the causal LMs' forwards
     builds = [policy.start_build("policy", Policy, ranks(
         policy, optim=optim, temperature=cfg.temperature, activation_checkpointing=cfg.activation_checkpointing,
-        lora=cfg.lora, seed=cfg.seed, **heads))]
+        lora=cfg.lora, freeze_vision=cfg.freeze_vision, seed=cfg.seed, **heads))]
     if "reference" in on:
         builds.append(on["reference"].start_build("reference", Reference, ranks(on["reference"],
                                                                                 temperature=cfg.temperature, **heads)))
