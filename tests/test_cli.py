@@ -108,7 +108,8 @@ def test_eval_reports_greedy_pass_and_majority_at_k():
 
 
 MODEL_FOR = {"arithmetic": "tiny-arith", "multiplication": "tiny-arith", "sort": "tiny-mix", "reverse": "tiny-mix",
-             "countdown": "tiny-mix", "calculator": "tiny-tools"}
+             "countdown": "tiny-mix", "calculator": "tiny-tools",
+             "shapes": "tiny-vl"}
 
 
 def test_eval_runs_on_every_built_in_task_agentic_ones_too(capsys):

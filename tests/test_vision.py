@@ -152,9 +152,10 @@ def test_tiny_vl_answers_by_looking(vl, task):
 SMALL = dict(model="tiny-vl", cluster="inline", prompts_per_step=4, samples_per_prompt=4, threads=1, seed=0, log_dir=None)
 
 
-def test_a_step_on_image_prompts_trains_on_what_the_sampler_saw(task):
+def test_a_step_on_image_prompts_trains_on_what_the_sampler_saw(task, tmp_path):
     """The rollout's table keeps each row's pictures (shown as thumbnails) and their pixels; the trainer's forward on
-    them gives the sampler's log-probs (the text bound, 1e-5), so the on-policy ratio is 1."""
+    them gives the sampler's log-probs (the text bound, 1e-5), so the on-policy ratio is 1; `export` writes a folder
+    that takes images."""
     with rl.Session(task=task, **SMALL) as s:
         batch = s.rollout()
         assert [len(images) for images in batch["images"]] == [1] * 16
@@ -165,6 +166,11 @@ def test_a_step_on_image_prompts_trains_on_what_the_sampler_saw(task):
         assert_close(s.workers.policy.log_probs(batch)[mask], batch["sampler_logp"][mask], atol=1e-5)
         row = s.step()
         assert abs(row["sampler_kl"]) < 1e-5 and row["clip_frac"] == 0.0
+        exported = s.export(tmp_path / "exported")  # a model folder that takes images, as the one it came from
+        weights = s.policy.state_dict()
+    assert Vision.of(exported, rl.models.load_tokenizer(exported)) is not None
+    again = AutoModelForImageTextToText.from_pretrained(exported).state_dict()
+    assert all(torch.equal(again[name], tensor) for name, tensor in weights.items())
 
 
 def test_lora_adapts_the_language_model_and_the_sampler_merges_it(task):
@@ -196,6 +202,24 @@ def test_freeze_vision_trains_the_language_model_only(task, tiny_dir):
         assert_close(s.workers.policy.log_probs(batch)[mask], batch["sampler_logp"][mask], atol=1e-5)
     with pytest.raises(ValueError, match="freeze_vision=True, but model .* has no vision tower"):
         rl.Session(**SMALL | {"model": tiny_dir, "freeze_vision": True})
+
+
+@pytest.mark.slow
+def test_grpo_teaches_tiny_vl_to_answer_what_it_sees_with_the_settings_a_user_types(vl, task, tmp_path):
+    """Nothing but the model, the task and the algorithm (the task brings lr 3e-4): held-out greedy accuracy rises
+    by at least 0.15 within 150 steps (measured: 0.34 -> 0.545), and it is looking: with the pictures blanked, the
+    trained model answers far worse."""
+    with rl.Session(model="tiny-vl", task="shapes", algorithm="grpo", log_dir=None) as session:
+        assert session.config.lr == 3e-4
+        before = session.evaluate()["greedy_accuracy"]
+        session.run(150, progress=False)
+        after = session.evaluate()["greedy_accuracy"]
+        session.export(tmp_path / "trained")
+    assert tiny_vl.STOP_AT <= before <= tiny_vl.OVERSHOOT and after >= before + 0.15, (before, after)
+    trained, (_, tokenizer, vision) = AutoModelForImageTextToText.from_pretrained(tmp_path / "trained").eval(), vl
+    assert abs(tiny_vl.greedy_accuracy(trained, tokenizer, vision, task.test) - after) <= 0.02  # the same model
+    blank = [dict(e, images=[Image.new("RGB", (64, 64), "white")]) for e in task.test]
+    assert tiny_vl.greedy_accuracy(trained, tokenizer, vision, blank) < after - 0.2
 
 
 def test_bad_images_are_named_before_or_when_they_are_used(task, tmp_path, tiny_dir):

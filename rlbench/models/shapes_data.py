@@ -2,7 +2,7 @@
 
 `split(...)` gives the task's train and held-out examples; `problems(n, ...)` draws `n` seeded examples (a picture
 of coloured shapes, a question about it and its answer: the task's docstring lists the kinds of question); `draw`
-renders shapes; `blind_accuracy` is what answering without looking reaches.
+renders shapes, `describe` says them; `blind_accuracy` is what answering without looking reaches.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ GRID = 2
 CELLS = ("top left", "top right", "bottom left", "bottom right")
 IMAGE = "<image>"
 TRAIN_SIZE, TEST_SIZE = 4000, 200
+MAX_SHAPES = 4
+"""Shapes per picture at most, by default (the difficulty knob)."""
 
 
-def split(*, max_shapes: int = 4, image_size: int = 64, seed: int = 0, train_size: int = TRAIN_SIZE,
+def split(*, max_shapes: int = MAX_SHAPES, image_size: int = 64, seed: int = 0, train_size: int = TRAIN_SIZE,
           test_size: int = TEST_SIZE) -> tuple[list[dict], list[dict]]:
     """(train, held-out) examples: the first `train_size` of `problems(...)`, then `test_size` more."""
     examples = problems(train_size + test_size, max_shapes=max_shapes, image_size=image_size, seed=seed)
@@ -53,6 +55,13 @@ def _example(rng: random.Random, max_shapes: int, image_size: int) -> dict:
         shape = rng.choice(shapes)
         question, answer = f"{CELLS[shape['cell']]}?=", f"{shape['colour']} {shape['kind']}"
     return {"prompt": IMAGE + question, "images": [draw(shapes, image_size)], "answer": answer, "shapes": shapes}
+
+
+def describe(shapes: list[dict]) -> str:
+    """What each cell of the picture holds, in reading order ("-" for an empty one): "red square,-,-,blue circle".
+    (tiny-vl's first warm-start phase learns to say this of a picture: to see, before it is taught the questions.)"""
+    held = {s["cell"]: f"{s['colour']} {s['kind']}" for s in shapes}
+    return ",".join(held.get(cell, "-") for cell in range(GRID * GRID))
 
 
 def draw(shapes: list[dict], size: int):

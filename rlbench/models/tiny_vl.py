@@ -1,13 +1,19 @@
-"""tiny-vl: a Qwen2-VL model small enough to train on a CPU, warm-started on the "shapes" task.
+"""tiny-vl: a Qwen2-VL model small enough to train on a CPU, warm-started on the "shapes" task's pictures.
 
 The recipe: the byte-level tiny tokenizer plus Qwen's `<|vision_start|>`, `<|image_pad|>` and `<|vision_end|>` (special
 tokens: typed as text they stay text); Qwen2-VL's image processor at 8-pixel patches, so that a 64 x 64 picture is
 8 x 8 patches, merged 2 x 2 into 16 image tokens; a fresh `Qwen2VLForConditionalGeneration` with a one-block vision
-tower (`build_model`), trained with supervision on the task's training pictures (loss on the answer and EOS) until
-greedy held-out accuracy is between `STOP_AT` and `OVERSHOOT`: well above what answering blind gives (0.145) and
-what it answers of blanked pictures (stopped much earlier, it answers blank pictures about as well: it has not learnt
-to look yet), far from what looking carefully gives (`tests/test_vision.py` checks the band and the blank pictures).
-Cached like the other built-ins under `$RLBENCH_CACHE/models/`; deterministic for a seed.
+tower (`build_model`), warm-started in two supervised phases (loss on the answer and EOS), the way a real
+vision-language model comes to RL having learnt to see before it learnt the task:
+
+1. to see: `DESCRIBE_STEPS` steps of describing pictures (`<image>describe?=` -> what each cell holds,
+   `shapes_data.describe`), each step on new pictures, so that it learns to see rather than to remember;
+2. the task, briefly: the task's questions on `QA_POOL` pictures of their own, until greedy held-out accuracy is
+   between `STOP_AT` and `OVERSHOOT` (a few steps): above answering blind (0.145) and below what it sees.
+
+Neither phase shows it the task's own training pictures (all are drawn apart from the task's, seed 0). GRPO then
+teaches it to answer from what it sees (`tests/test_vision.py`). Cached like the other built-ins under
+`$RLBENCH_CACHE/models/`; deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -22,16 +28,23 @@ from rlbench.models import shapes_data
 from rlbench.models.tokenizer import build_tokenizer
 from rlbench.models.vision import IMAGE_TOKENS, Vision, forward_inputs
 from rlbench.models.warm_start import build_cached, cache_root, sft_tensors, supervised_warm_start, torch_threads
+from rlbench.runs.progress import bar as progress_bar
 
 NAME = "tiny-vl"
-VERSION = 1
+VERSION = 2
 """Part of the cache directory's name: bump it whenever the recipe below changes."""
 MAX_POSITIONS = 256
 PATCH, MERGE, IMAGE_SIZE = 8, 2, 64
 LR = 2e-3
 BATCH_SIZE = 16
-EVAL_EVERY = 25
-STOP_AT, OVERSHOOT = 0.38, 0.48
+DESCRIBE = "<image>describe?="
+DESCRIBE_STEPS = 1250
+DESCRIBE_SEED = 1
+"""Phase 1's pictures at step k: `shapes_data.problems(BATCH_SIZE, seed=DESCRIBE_SEED * 100_000 + k)`."""
+QA_POOL, QA_SEED = 2000, 2
+"""Phase 2's questions: `shapes_data.problems(QA_POOL, seed=QA_SEED)`."""
+EVAL_EVERY = 5
+STOP_AT, OVERSHOOT = 0.30, 0.40
 MAX_STEPS = 3000
 ANSWER_TOKENS = 16
 """Greedy budget of an answer ("green triangle" and EOS: 15 tokens)."""
@@ -81,31 +94,60 @@ def ensure_built(seed: int = 0) -> Path:
 
 
 def train_tiny_vl(seed: int = 0) -> tuple[Qwen2VLForConditionalGeneration, PreTrainedTokenizerBase]:
-    """Build and warm-start the model in memory (one torch thread, for reproducible numbers)."""
-    train, test = shapes_data.split(image_size=IMAGE_SIZE)  # the task's default split
+    """Build and warm-start the model in memory, both phases (one torch thread, for reproducible numbers)."""
+    test = shapes_data.split(image_size=IMAGE_SIZE)[1]  # the task's default held-out split: where phase 2 stops
     with torch_threads(1):
         tokenizer = build_vl_tokenizer()
         model = build_model(seed, tokenizer)
         vision = Vision(build_image_processor(), *tokenizer.convert_tokens_to_ids(list(IMAGE_TOKENS)), merge_size=MERGE)
-        rows, pixels = [], []
-        for example in train:
-            ids, images = vision.encode(tokenizer, example["prompt"], example["images"])
-            answer = tokenizer.encode(example["answer"]) + [tokenizer.eos_token_id]
-            rows.append((ids + answer, [False] * len(ids) + [True] * len(answer)))
-            pixels.append(images)
-        inputs_N_T, labels_N_T = sft_tensors(rows, tokenizer.pad_token_id)
-        lengths_N = torch.tensor([len(ids) for ids, _ in rows])
-
-        def batch(rows_B: torch.Tensor) -> dict:
-            ids_B_T = inputs_N_T[rows_B]
-            mask_B_T = (torch.arange(ids_B_T.shape[1]) < lengths_N[rows_B, None]).long()  # right padding
-            return dict(input_ids=ids_B_T, attention_mask=mask_B_T, labels=labels_N_T[rows_B],
-                        **forward_inputs(model, ids_B_T, mask_B_T, [pixels[i] for i in rows_B.tolist()]))
-
-        supervised_warm_start(model, inputs_N_T, labels_N_T, lambda m: greedy_accuracy(m, tokenizer, vision, test),
-                              seed=seed, lr=LR, batch_size=BATCH_SIZE, eval_every=EVAL_EVERY, stop_at=STOP_AT,
-                              overshoot=OVERSHOOT, max_steps=MAX_STEPS, name=NAME, inputs_of=batch)
+        learn_to_see(model, tokenizer, vision, seed=seed)
+        pool = shapes_data.problems(QA_POOL, max_shapes=shapes_data.MAX_SHAPES, image_size=IMAGE_SIZE, seed=QA_SEED)
+        supervised = Supervised(model, tokenizer, vision, [(e["prompt"], e["images"], e["answer"]) for e in pool])
+        supervised_warm_start(model, supervised.inputs_N_T, supervised.labels_N_T,
+                              lambda m: greedy_accuracy(m, tokenizer, vision, test), seed=seed, lr=LR,
+                              batch_size=BATCH_SIZE, eval_every=EVAL_EVERY, stop_at=STOP_AT, overshoot=OVERSHOOT,
+                              max_steps=MAX_STEPS, name=NAME, inputs_of=supervised.batch)
     return model.eval(), tokenizer
+
+
+def learn_to_see(model, tokenizer: PreTrainedTokenizerBase, vision: Vision, *, seed: int) -> None:
+    """Phase 1: `DESCRIBE_STEPS` AdamW steps on describing new pictures (see the module docstring)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), weight_decay=0.0)
+    with progress_bar(total=DESCRIBE_STEPS, desc=f"building {NAME} (seed {seed}): learning to see", unit="step") as bar:
+        for step in range(DESCRIBE_STEPS):
+            model.train()
+            pictures = shapes_data.problems(BATCH_SIZE, max_shapes=shapes_data.MAX_SHAPES, image_size=IMAGE_SIZE,
+                                            seed=DESCRIBE_SEED * 100_000 + step)
+            rows = Supervised(model, tokenizer, vision, [(DESCRIBE, e["images"], shapes_data.describe(e["shapes"]))
+                                                         for e in pictures])
+            loss = model(**rows.batch(torch.arange(BATCH_SIZE))).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            bar.update()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+
+
+class Supervised:
+    """(prompt, images, answer) rows as a vision-language model's supervised batches: prompt + answer + EOS, the
+    loss on the answer and EOS; right-padded."""
+
+    def __init__(self, model, tokenizer: PreTrainedTokenizerBase, vision: Vision, rows) -> None:
+        self.model, encoded, self.pixels = model, [], []
+        for prompt, images, answer in rows:
+            ids, pixels = vision.encode(tokenizer, prompt, images)
+            target = tokenizer.encode(answer) + [tokenizer.eos_token_id]
+            encoded.append((ids + target, [False] * len(ids) + [True] * len(target)))
+            self.pixels.append(pixels)
+        self.inputs_N_T, self.labels_N_T = sft_tensors(encoded, tokenizer.pad_token_id)
+        self.lengths_N = torch.tensor([len(ids) for ids, _ in encoded])
+
+    def batch(self, rows_B: torch.Tensor) -> dict:
+        """The forward's keyword arguments for these rows (labels included)."""
+        ids_B_T = self.inputs_N_T[rows_B]
+        mask_B_T = (torch.arange(ids_B_T.shape[1]) < self.lengths_N[rows_B, None]).long()
+        return dict(input_ids=ids_B_T, attention_mask=mask_B_T, labels=self.labels_N_T[rows_B],
+                    **forward_inputs(self.model, ids_B_T, mask_B_T, [self.pixels[i] for i in rows_B.tolist()]))
 
 
 @torch.no_grad()

@@ -20,9 +20,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from rlbench import models
+from rlbench.models.vision import has_vision_tower
 from rlbench.policy.training import Optimizer, full_state_dict, trained_only
 
 
@@ -84,12 +85,13 @@ def export(path: str | os.PathLike, model: torch.nn.Module, *, rank: int = 0, wo
            state: dict[str, torch.Tensor] | None = None) -> None:
     """Write `model`'s full weights (or the gathered `state` given, in the model's names) as a Hugging Face
     model folder (config and safetensors) on rank 0; every rank calls it. The folder loads with
-    `AutoModelForCausalLM.from_pretrained` and with vLLM."""
+    `AutoModelForCausalLM.from_pretrained` (a vision-language model's: `AutoModelForImageTextToText`) and with vLLM."""
     state = full_state_dict(model, rank, world_size) if state is None else state
     if state is None:
         return
+    auto = AutoModelForImageTextToText if has_vision_tower(model) else AutoModelForCausalLM
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=next(iter(state.values())).dtype)
+        plain = auto.from_config(copy.deepcopy(model.config), dtype=next(iter(state.values())).dtype)
     plain.load_state_dict(state, assign=True, strict=False)
     plain.tie_weights()
     missing = {name for name, p in plain.named_parameters() if p.is_meta}

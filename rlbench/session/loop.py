@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rlbench import algorithms, tasks
+from rlbench import algorithms, models, tasks
 from rlbench.batch import Batch
 from rlbench.config import Config, make_config
 from rlbench.policy.fsdp import loss_mask
@@ -415,14 +415,18 @@ class Session:
         return Path(cfg.save_dir) if cfg.save_dir is not None else Path(cfg.log_dir) / self.state.run_name / "checkpoints"
 
     def export(self, path: str | os.PathLike, *, adapter: bool = False) -> Path:
-        """The policy's current weights as a Hugging Face model folder (config, safetensors, tokenizer),
-        loadable by `AutoModelForCausalLM.from_pretrained`, vLLM, and `rl.Session(model=path)`; under LoRA the
-        adapter merged into the base. `adapter=True` (LoRA only): the adapter alone, as a peft folder
+        """The policy's current weights as a Hugging Face model folder (config, safetensors, tokenizer; a
+        vision-language model's image processor too), loadable by `AutoModelForCausalLM.from_pretrained`, vLLM, and
+        `rl.Session(model=path)`; under LoRA the adapter merged into the base. `adapter=True` (LoRA only): the adapter alone, as a peft folder
         (`peft.PeftModel.from_pretrained(base, path)`, vLLM's `LoRARequest`)."""
         path = Path(path).resolve()
         path.mkdir(parents=True, exist_ok=True)
         self.policy.export(str(path), adapter)
         self.tokenizer.save_pretrained(path)
+        if models.vision.has_vision(self.model_dir) and not adapter:  # and its image processor, to take images
+            from transformers import AutoImageProcessor
+
+            AutoImageProcessor.from_pretrained(self.model_dir, local_files_only=True).save_pretrained(path)
         return path
 
     # ------------------------------------------------------------------------------ looking at it

@@ -51,6 +51,7 @@ _BUILTINS: dict[str, Callable[..., Task]] = {
     "countdown": Countdown,
     "tool_math": tool_math.tool_math,
     "calculator": calculator,
+    "shapes": Shapes,
 }
 """Built-in task name -> factory; `get(name, **kwargs)` calls it with the kwargs."""
 
