@@ -62,6 +62,10 @@ def test_empty_inputs_and_a_closed_session_say_what_is_wrong():
     assert s.complete([]) == []
     with pytest.raises(ValueError, match="no held-out prompts"):
         s.evaluate(max_prompts=0)
+    with pytest.raises(ValueError, match=r"no held-out prompts \(task 'arithmetic': 0 examples given"):
+        s.evaluate(examples=[])
+    # other examples than the test split, scored by the task's reward: the first five test rows are the same five
+    assert s.evaluate(examples=s.task.test[:5]) == s.evaluate(max_prompts=5)
     with pytest.raises(ValueError, match="no examples or prompts"):
         s.sampler.generate([], rl.samplers.SamplingParams())
     batch = s.advantage(s.score(s.rollout()))

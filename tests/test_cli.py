@@ -63,6 +63,15 @@ def test_dry_run_of_the_agentic_gpu_recipe_reads_no_task_file():
     assert settings["session"]["task"]["name"] == "tool_math"
 
 
+def test_dry_run_of_the_vision_gpu_recipe_checks_without_weights_or_diagrams():
+    result = rlbench("run", str(REPO / "algorithms" / "grpo" / "geo3k-qwen2.5-vl-7b.toml"), "--dry-run",
+                     "session.model=/nowhere/Qwen2.5-VL-7B-Instruct")
+    assert result.returncode == 0, result.stderr
+    settings = last_json(result.stdout)
+    assert settings["steps"] == 60 and settings["session"]["world_size"] == 8
+    assert settings["session"]["task"] == {"train": "data/geo3k/train.parquet", "test": "data/geo3k/test.parquet"}
+
+
 def test_short_run_trains_and_evaluates():
     result = rlbench("run", ARITHMETIC, "steps=3", "session.log_dir=none")
     assert result.returncode == 0, result.stderr

@@ -1,11 +1,13 @@
 """Recipes (algorithms/**/*.toml): every one loads and validates on CPU without weights or data; overrides are
 checked and a bad one names its key and what the key accepts."""
 
+import io
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 import rlbench as rl
 from rlbench.experiments import recipes
@@ -191,3 +193,42 @@ def test_algorithm_table_without_preset_builds_a_new_algorithm():
     assert algorithm.name == "mine" and algorithm.advantage is rl.algorithms.advantage_fn("rloo")
     with pytest.raises(recipes.RecipeError, match="session.algorithm: .*missing .*'name'"):
         recipes.load(ARITHMETIC, ['session.algorithm={advantage = "rloo", loss = "gpg"}'])
+
+
+def test_the_geo3k_recipe_follows_verls_vision_example_and_its_data_carries_diagrams(tmp_path):
+    recipe = recipes.load(ALGORITHMS / "grpo" / "geo3k-qwen2.5-vl-7b.toml")  # no weights, no data files read
+    cfg = recipe.config()
+    assert cfg.model.endswith("Qwen2.5-VL-7B-Instruct") and cfg.device == "cuda" and cfg.world_size == 8
+    assert (cfg.prompts_per_step, cfg.samples_per_prompt, cfg.mini_batches_per_step) == (512, 5, 4)  # mini-batch 128
+    assert (cfg.max_prompt_tokens, cfg.max_new_tokens, cfg.long_prompts, cfg.lr) == (1024, 2048, "drop", 1e-6)
+    assert cfg.algorithm == {"preset": "grpo", "kl_coef": 0.01} and not cfg.freeze_vision
+    assert recipe.steps == 15 * (2101 // 512)  # 15 epochs of the 2101 training problems, whole steps
+    assert recipe.target.value == 0.52 and "0.39->0.52" in recipe.target.source
+    # Geometry3K's own rows (the hub's parquet: diagrams as {bytes, path} records), prepared, make the recipe's task
+    diagrams = []
+    for size in (40, 56):
+        png = io.BytesIO()
+        Image.new("RGB", (size, size), "white").save(png, format="PNG")
+        diagrams.append({"bytes": png.getvalue(), "path": None})
+    rows = [{"images": [diagrams[0]], "problem": "<image>Find x.", "answer": "3"},
+            {"images": [diagrams[1]], "problem": "<image>Find the area of the circle.", "answer": "4\\pi"}]
+    rl.tasks.write_rows(rows, tmp_path / "raw.parquet")
+    subprocess.run([sys.executable, str(DATASETS / "prepare_geo3k.py"), "--train", str(tmp_path / "raw.parquet"),
+                    "--test", str(tmp_path / "raw.parquet"), "--out", str(tmp_path / "geo3k")], check=True,
+                   capture_output=True)
+    recipe = recipes.load(ALGORITHMS / "grpo" / "geo3k-qwen2.5-vl-7b.toml", [
+        f"session.task.train={tmp_path / 'geo3k' / 'train.parquet'}",
+        f"session.task.test={tmp_path / 'geo3k' / 'test.parquet'}"])
+    task = recipe.session_kwargs()["task"]
+    assert rl.tasks.has_images(task) and len(task.train) == 2 and task.train[1]["data_source"] == "hiyouga/geometry3k"
+    assert rl.models.vision.load_image(task.train[1]["images"][0]).size == (56, 56)
+    assert task.train[1]["prompt"][0]["content"].startswith("<image>Find the area of the circle. You FIRST think")
+    right = "<think>r = 2</think> The area is \\boxed{4\\pi}."
+    assert rl.rewards.by_data_source(right, task.train[1]) == {"score": 1.0, "acc": 1.0, "format": 1.0}
+    assert rl.rewards.by_data_source("\\boxed{4\\pi}", task.train[1])["score"] == 0.9  # right, not in the format
+    # and a vision-language session takes them as they are: each diagram becomes the model's 16 image tokens
+    with rl.Session(model="tiny-vl", task=task, prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4, threads=1,
+                    log_dir=None) as s:
+        batch = s.score(s.rollout())
+        image_id = s.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert (batch["prompt_ids"] == image_id).sum(-1).tolist() == [16] * 4 and set(batch["score"].tolist()) <= {0.0}

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rlbench.rewards.answers import dapo_math_reward, extract_gsm8k, gsm8k_reward, math_equal, math_reward
+from rlbench.rewards.answers import (dapo_math_reward, extract_gsm8k, geo3k_reward, gsm8k_reward, math_equal,
+                                     math_reward)
 from rlbench.rewards.code import code_reward, extract_code
 from rlbench.rewards.countdown import check_countdown, countdown_reward
 from rlbench.rewards.judge import LLMJudge
@@ -31,7 +32,7 @@ __all__ = [
     "batched",
     "by_data_source",
     "check_countdown", "code_reward", "countdown_reward", "dapo_math_reward", "extract_code", "extract_gsm8k",
-    "format_reward", "gsm8k_reward", "math_equal", "math_reward", "reward_for", "run_each", "run_python",
+    "format_reward", "geo3k_reward", "gsm8k_reward", "math_equal", "math_reward", "reward_for", "run_each", "run_python",
     "sandbox_info", "score_all", "weighted", "with_length_penalty", "with_overlong_penalty",
 ]
 
@@ -45,6 +46,7 @@ DATA_SOURCES: dict[str, Callable[[str, dict], float | dict]] = {
     "BytedTsinghua-SIA/DAPO-Math-17k": dapo_math_reward,
     "countdown": countdown_reward,
     "code": code_reward,
+    "hiyouga/geometry3k": geo3k_reward,
 }
 """verl's `data_source` names -> the grader of their examples (add your own entries)."""
 

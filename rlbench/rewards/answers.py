@@ -79,3 +79,17 @@ def dapo_math_reward(completion: str, example: dict, *, timeout_s: int = 5) -> d
     correct = bool(found) and math_equal(f"${found[-1].strip().strip('$')}$", str(ground_truth(example)),
                                          timeout_s=timeout_s)
     return {"score": 1.0 if correct else -1.0, "acc": float(correct)}
+
+
+_THINK_THEN_BOXED = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+
+
+def geo3k_reward(completion: str, example: dict, *, format_score: float = 0.1, timeout_s: int = 5) -> dict:
+    """Geometry3K's rule in verl's example: `(1 - format_score) · acc + format_score · format`, where acc is
+    whether the last \\boxed{} answer equals the ground truth (`math_equal`) and format whether the completion is
+    "<think>...</think>" then a \\boxed{} answer."""
+    correct = math_equal(completion, str(ground_truth(example)), timeout_s=timeout_s)
+    formatted = _THINK_THEN_BOXED.fullmatch(completion) is not None
+    return {"score": (1 - format_score) * float(correct) + format_score * float(formatted), "acc": float(correct),
+            "format": float(formatted)}
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -456,16 +457,19 @@ class Session:
         params = SamplingParams.of(self.config, greedy=True, max_new_tokens=max_new_tokens)
         return self.sampler.generate(texts, params)["completion"] if texts else []
 
-    def evaluate(self, *, max_prompts: int | None = None, samples: int | None = None,
-                 progress: bool = False) -> dict[str, float]:
+    def evaluate(self, *, max_prompts: int | None = None, samples: int | None = None, progress: bool = False,
+                 examples: Sequence[dict] | None = None) -> dict[str, float]:
         """Held-out accuracy and mean reward, greedy and sampled (`eval_samples` per prompt); with `samples=k`, k
-        per prompt and also pass@k and maj@k (`metrics.at_k`). rl.Async: by the weights the first
-        rollout worker holds (the newest pushed), with no new group started meanwhile."""
+        per prompt and also pass@k and maj@k (`metrics.at_k`). `examples`: these instead of the task's test split
+        (rows as the task's, scored by its reward: e.g. its questions with the pictures blanked). rl.Async: by the
+        weights the first rollout worker holds (the newest pushed), with no new group started meanwhile."""
         cfg = self.config
-        examples = list(self.task.test)[:max_prompts]
+        source = "test examples" if examples is None else "examples given"
+        given = list(self.task.test if examples is None else examples)
+        examples = given[:max_prompts]
         if not examples:
-            raise ValueError(f"evaluate: no held-out prompts (task {getattr(self.task, 'name', self.task)!r} has "
-                             f"{len(self.task.test)} test examples, max_prompts={max_prompts})")
+            raise ValueError(f"evaluate: no held-out prompts (task {getattr(self.task, 'name', self.task)!r}: "
+                             f"{len(given)} {source}, max_prompts={max_prompts})")
         if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
             raise ValueError(f"evaluate: samples must be a positive integer (completions per prompt), got {samples!r}")
         greedy = SamplingParams.of(cfg, greedy=True)
