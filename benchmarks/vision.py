@@ -2,7 +2,7 @@
 
 Both models have the same language model (2 layers, hidden 128, the byte tokenizer); tiny-vl adds a one-block
 vision tower whose 16 image tokens sit in every prompt, and decodes through transformers' forward (the compact
-decoder takes text models only). The same GRPO step: 16 prompts x 8 samples, at most 16 new tokens, inline, one torch
+decoder takes text models only); both train in the packed layout (each group's prompt, and pictures, once). The same GRPO step: 16 prompts x 8 samples, at most 16 new tokens, inline, one torch
 thread, fp32; runs alternate between the two models. Reported per model (medians over the steps after 2 warm-up
 steps, then the median over rounds): s/step and its stages, prompt and response tokens per row, sampled tokens/s
 (response tokens over the rollout's time) and trained tokens/s (prompt and response tokens over the update's time);

@@ -228,8 +228,8 @@ def test_06_shows_staleness_and_a_batch_of_partial_rollouts_with_its_own_setting
 
 @pytest.mark.slow
 def test_07_teaches_tiny_vl_to_answer_what_it_sees_with_its_own_settings(kernel_dirs, tmp_path):
-    """07 as a reader runs it (GRPO with the settings a user types, a step by hand and 150 more; about 2 minutes):
-    held-out greedy accuracy starts in the warm start's band and rises by at least 0.15 (measured 0.32 -> 0.535), and
+    """07 as a reader runs it (GRPO with the settings a user types, a step by hand and 150 more; about a minute):
+    held-out greedy accuracy starts in the warm start's band and rises by at least 0.15 (measured 0.32 -> 0.55), and
     with the pictures blanked the trained model answers almost nothing right (measured 0.0); the group and the
     pictures show."""
     nb, got = claims(NOTEBOOKS[0].parent / "07_vision.ipynb", kernel_dirs, tmp_path, report=(

@@ -1,6 +1,7 @@
 """Images in prompts: the "shapes" task's pictures and answers, a prompt's image tokens and pixels (`Vision`), and the
 tiny-vl model, warm-started so that it answers by looking."""
 
+import copy
 import io
 
 import pytest
@@ -11,7 +12,9 @@ from transformers import AutoModelForImageTextToText
 
 import rlbench as rl
 from rlbench.batch import left_pad
+from rlbench.algorithms import token_logp
 from rlbench.models import tiny_vl
+from rlbench.policy.forward import packing_pays, response_outputs
 from rlbench.models.vision import Vision, forward_inputs, load_image
 from rlbench.models.shapes_data import CELLS, COLOURS, GRID, blind_accuracy
 from rlbench.tasks.shapes import Shapes
@@ -86,6 +89,11 @@ def test_an_image_mark_becomes_the_models_image_tokens(vl, task):
     assert vision.encode(tokenizer, "how many?=", task.test[0]["images"])[0] == ids
     typed, _ = vision.encode(tokenizer, "<|image_pad|>", [])
     assert pad not in typed and tokenizer.decode(typed) == "<|image_pad|>"
+    # a tokenizer that reads special tokens in text (Qwen's own does) would make typed markup an image slot: refused
+    parsing = copy.deepcopy(tokenizer)
+    parsing.split_special_tokens = False
+    with pytest.raises(ValueError, match=r"holds <\|image_pad\|> as typed text.*mark an image's place with <image>"):
+        vision.encode(parsing, "<image>what is <|image_pad|>?=", task.test[0]["images"])
 
 
 @pytest.mark.parametrize("text, images, message", [
@@ -171,6 +179,25 @@ def test_a_step_on_image_prompts_trains_on_what_the_sampler_saw(task, tmp_path):
     assert Vision.of(exported, rl.models.load_tokenizer(exported)) is not None
     again = AutoModelForImageTextToText.from_pretrained(exported).state_dict()
     assert all(torch.equal(again[name], tensor) for name, tensor in weights.items())
+
+
+def test_the_packed_layout_runs_each_picture_once_and_gives_the_per_sample_numbers(vl, task):
+    """The trainer's packed layout on image prompts (each group's prompt and pictures once, 3-D positions for its
+    responses) gives the per-sample layout's log-probs within 1e-5, also where two groups ask the same question of
+    different pictures (the same prompt tokens: the pictures tell them apart), and "auto" packs such a batch."""
+    model, tokenizer, vision = vl
+    same_question = [dict(e, prompt="<image>how many?=") for e in task.train[:3]]
+    data = rl.tasks.DataTask(train=same_question, test=same_question, name="vl",
+                             reward=lambda completion, example: 0.0)
+    for source in (task, data):
+        with rl.Session(task=source, **SMALL | {"prompts_per_step": 3}) as s:
+            batch = s.rollout()
+        mask = batch["response_mask"].bool()
+        logp = {layout: token_logp(response_outputs(model, batch, layout), batch["response_ids"])[mask]
+                for layout in ("per_sample", "packed")}
+        assert_close(logp["packed"], logp["per_sample"], atol=1e-5)
+        assert_close(logp["packed"], batch["sampler_logp"][mask], atol=1e-5)
+        assert packing_pays(model, batch)
 
 
 def test_lora_adapts_the_language_model_and_the_sampler_merges_it(task):

@@ -3,8 +3,9 @@
 A prompt's text marks where each of its images goes with `<image>` (verl's convention; without a mark the images
 go before the text, as Qwen's chat templates put them). `Vision.encode` turns (text, images) into token ids, the
 mark replaced by the model's `<|vision_start|>`, one `<|image_pad|>` per merged patch of that image and
-`<|vision_end|>`, and the image processor's `pixel_values` and `image_grid_thw`. The ids are built token by token,
-never by parsing text for special tokens, so a prompt's text cannot forge an image token. `forward_inputs`
+`<|vision_end|>`, and the image processor's `pixel_values` and `image_grid_thw`. The image tokens are placed token by
+token, never parsed from text, so a prompt's text cannot forge one (a tokenizer that would read typed image markup
+as its special token is refused, naming it). `forward_inputs`
 gives the model's forward what it needs beside the ids: the pixels, the grids, `mm_token_type_ids`, and the 3-D
 rotary positions (M-RoPE) of left- or right-padded rows, computed here so that no state is kept in the model
 between calls.
@@ -64,14 +65,25 @@ class Vision:
             raise ValueError(f"the prompt has {len(parts) - 1} {IMAGE_MARK} mark(s) and {len(images)} image(s): each "
                              f"image needs its own mark (or none has one: then the images go before the text)")
         if not images:
-            return tokenizer.encode(text, add_special_tokens=False), {}
+            return self._text(tokenizer, text), {}
         pixels = self.processor(images=[load_image(image) for image in images], return_tensors="pt")
         grid_I_3 = pixels["image_grid_thw"]
-        ids = tokenizer.encode(parts[0], add_special_tokens=False)
+        ids = self._text(tokenizer, parts[0])
         for part, grid in zip(parts[1:], grid_I_3.tolist()):
             ids += [self.start_id] + [self.image_id] * (grid[0] * grid[1] * grid[2] // self.merge_size**2)
-            ids += [self.end_id] + tokenizer.encode(part, add_special_tokens=False)
+            ids += [self.end_id] + self._text(tokenizer, part)
         return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": grid_I_3}
+
+    def _text(self, tokenizer, text: str) -> list[int]:
+        """The ids of a stretch of text; ValueError where the tokenizer reads an image token in it (a tokenizer
+        that parses special tokens in text, as Qwen's does, would take typed "<|image_pad|>" for an image slot)."""
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        typed = sorted({tokenizer.convert_ids_to_tokens(i) for i in ids if i in (self.start_id, self.image_id,
+                                                                                  self.end_id)})
+        if typed:
+            raise ValueError(f"the prompt's text holds {', '.join(typed)} as typed text, which this tokenizer reads as "
+                             f"image markup: mark an image's place with {IMAGE_MARK} instead")
+        return ids
 
 
 def has_vision(model_dir: str | Path) -> bool:
@@ -116,20 +128,35 @@ def forward_inputs(model, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor,
                    images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The keyword arguments of a vision-language `model`'s forward for rows `ids_B_T` (padding 0 in `mask_B_T`, on
     either side) whose images are `images` (per row, `Vision.encode`'s dict; empty for a row without images), beside
-    input_ids and attention_mask: the pixels and grids of the rows' images in row order, `mm_token_type_ids`, and the
-    3-D rotary positions (M-RoPE), computed here so that the model keeps no state between calls. {} when no row has
-    an image."""
-    rows = [row for row in images if row]
-    if not rows:
+    input_ids and attention_mask: `image_inputs`, and the 3-D rotary positions (M-RoPE), computed here so that the
+    model keeps no state between calls. {} when no row has an image."""
+    inputs = image_inputs(model, ids_B_T, images)
+    if inputs:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a LoRA policy: peft's wrapper)
+        inputs["position_ids"], _ = base.model.get_rope_index(
+            ids_B_T, image_grid_thw=inputs["image_grid_thw"], attention_mask=mask_B_T,
+            mm_token_type_ids=inputs["mm_token_type_ids"])
+    return inputs
+
+
+def image_inputs(model, ids_B_T: torch.Tensor, images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The pixels and grids of `images` (`Vision.encode`'s dicts, empty ones skipped), in the order their image tokens
+    come in `ids_B_T` read row by row, and `mm_token_type_ids` (1 at the image tokens); {} without images."""
+    given = [entry for entry in images if entry]
+    if not given:
         return {}
-    mm_B_T = (ids_B_T == model.config.image_token_id).int()
-    grid_I_3 = torch.cat([row["image_grid_thw"] for row in rows]).to(ids_B_T.device)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a LoRA policy: peft's wrapper)
-    position_3_B_T, _ = base.model.get_rope_index(ids_B_T, image_grid_thw=grid_I_3, attention_mask=mask_B_T,
-                                                   mm_token_type_ids=mm_B_T)
-    pixels = torch.cat([row["pixel_values"] for row in rows]).to(ids_B_T.device, model.dtype)
-    return {"pixel_values": pixels, "image_grid_thw": grid_I_3, "mm_token_type_ids": mm_B_T,
-            "position_ids": position_3_B_T}
+    grid_I_3 = torch.cat([entry["image_grid_thw"] for entry in given]).to(ids_B_T.device)
+    pixels = torch.cat([entry["pixel_values"] for entry in given]).to(ids_B_T.device, model.dtype)
+    return {"pixel_values": pixels, "image_grid_thw": grid_I_3,
+            "mm_token_type_ids": (ids_B_T == model.config.image_token_id).int()}
+
+
+def same_images(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two prompts' images (`Vision.encode`'s dicts) are the same pictures."""
+    if a is b or (not a and not b):
+        return True
+    return bool(a) and bool(b) and torch.equal(a["image_grid_thw"], b["image_grid_thw"]) and torch.equal(
+        a["pixel_values"], b["pixel_values"])
 
 
 def load_image(image):

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlbench.algorithms import entropy_from_logits, teacher_topk, token_logp, token_logp_and_sum_pi2
 from rlbench.batch import Batch
-from rlbench.models.vision import forward_inputs, never_sampled
+from rlbench.models.vision import forward_inputs, image_inputs, never_sampled, same_images
 
 
 PACK_WIDTH = 64
@@ -71,11 +71,8 @@ def response_outputs(model, batch: Batch, attention: str = "auto",
         raise ValueError(f"attention='packed' needs an attention implementation that honours a 4-D mask "
                          f"({' or '.join(MASKED_ATTENTION)}); this model uses {implementation!r}, which would "
                          f"ignore it (every token would see the other samples): use attention='per_sample'")
-    if attention == "per_sample" or (attention == "auto" and (has_images(batch) or not packing_pays(model, batch))):
+    if attention == "per_sample" or (attention == "auto" and not packing_pays(model, batch)):
         return _per_sample_outputs(model, batch, head)
-    if has_images(batch):
-        raise ValueError("attention='packed' does not take images (a row's image tokens need their own 3-D positions): "
-                         "use attention='per_sample' or 'auto'")
     return _packed_outputs(model, batch, head)
 
 
@@ -122,23 +119,51 @@ def _packed_outputs(model, batch: Batch, head=None) -> torch.Tensor:
     `PACK_WIDTH` tokens (see there). A token attends to its prompt causally and to the prefix it ends, so
     every response token sees exactly the context it had unpacked (the same math; a shared token's
     gradient is the sum over the samples that share it); position ids are those each token had in the
-    sampler.
+    sampler. With images (a vision-language model's `image_inputs`), each group's pictures go through the vision
+    tower once, and positions are 3-D (`_packed_image_inputs`).
 
     Whatever the attention implementation, the R x W x W additive mask is materialised in fp32 (4·R·W² bytes,
     `packed_mask_bytes`: over 1 GiB for 8 samples of 2048 tokens); "eager" attention also keeps R x heads x W x W
     scores and probabilities per layer for the backward.
     """
-    ids_N, position_N, span_R_W, predictor_B_T = _pack_groups(batch)
-    R, W = span_R_W.shape
+    packing = _pack_groups(batch)
+    R, W = packing.span_R_W.shape
     # in depth-first order a slot's descendants (and, for a prompt token, the rest of its group) directly
     # follow it: slot j is visible from the span_j slots that start at j
-    column_W = torch.arange(W, device=ids_N.device)
+    column_W = torch.arange(W, device=packing.ids_N.device)
     allowed_R_W_W = (column_W[None, None, :] <= column_W[None, :, None]) & (
-        column_W[None, :, None] < (column_W + span_R_W)[:, None, :])
-    bias_R_1_W_W = torch.zeros((R, 1, W, W), device=ids_N.device).masked_fill_(
+        column_W[None, :, None] < (column_W + packing.span_R_W)[:, None, :])
+    bias_R_1_W_W = torch.zeros((R, 1, W, W), device=packing.ids_N.device).masked_fill_(
         ~allowed_R_W_W[:, None], torch.finfo(torch.float32).min)
-    return _outputs_at(model, predictor_B_T, head, input_ids=ids_N.view(R, W), position_ids=position_N.view(R, W),
-                       attention_mask=bias_R_1_W_W)
+    inputs = dict(input_ids=packing.ids_N.view(R, W), position_ids=packing.position_N.view(R, W),
+                  attention_mask=bias_R_1_W_W)
+    if has_images(batch):
+        inputs |= _packed_image_inputs(model, batch, packing)
+    return _outputs_at(model, packing.predictor_B_T, head, **inputs)
+
+
+def _packed_image_inputs(model, batch: Batch, packing: Packing) -> dict[str, torch.Tensor]:
+    """A vision-language model's forward inputs in the packed layout: each group's images once, in the order their
+    image tokens come in the packed rows, and 3-D rotary positions (M-RoPE): a prompt token's as in its unpacked
+    prompt, a response token's the text position after the prompt's last, one more per token (as in the sampler)."""
+    R, W = packing.span_R_W.shape
+    first_G = packing.first_G
+    ids_G_P, mask_G_P = batch["prompt_ids"][first_G], batch["prompt_mask"][first_G]
+    images_G = [batch["image_inputs"][b] for b in first_G.tolist()]
+    prompt_3_G_P = forward_inputs(model, ids_G_P, mask_G_P, images_G)["position_ids"]
+    # the prompt's j-th real token sits in column real_G_P[g, j] of its (padded) prompt row
+    real_G_P = torch.sort((~mask_G_P.bool()).to(torch.uint8), dim=1, stable=True).indices
+    group_N = packing.group_N.clamp(min=0)
+    column_N = real_G_P[group_N, packing.position_N.clamp(max=real_G_P.shape[1] - 1)]
+    G = torch.arange(len(first_G), device=ids_G_P.device)
+    last_G = prompt_3_G_P[0, G, real_G_P[G, packing.prompt_len_G - 1]]  # text: its three positions are equal
+    response_N = packing.position_N + (last_G - (packing.prompt_len_G - 1))[group_N]
+    position_3_N = torch.where(packing.prompt_N, prompt_3_G_P[:, group_N, column_N], response_N)
+    position_3_N = position_3_N.masked_fill(packing.group_N < 0, 0)
+    in_slot_order = torch.argsort(packing.offset_G).tolist()
+    ids_R_W = packing.ids_N.view(R, W)
+    return image_inputs(model, ids_R_W, [images_G[g] for g in in_slot_order]) | {
+        "position_ids": position_3_N.view(3, R, W)}
 
 
 def _per_sample_outputs(model, batch: Batch, head=None) -> torch.Tensor:
@@ -249,17 +274,42 @@ def _check_response_mask(batch: Batch) -> None:
 
 
 def _new_groups(batch: Batch) -> torch.Tensor:
-    """`[B]`: whether row b starts a group (its prompt differs from the previous row's)."""
+    """`[B]`: whether row b starts a group (its prompt differs from the previous row's: its tokens, or its images:
+    the same question about another picture is another prompt)."""
     prompt_ids_B_P, prompt_mask_B_P = batch["prompt_ids"], batch["prompt_mask"].bool()
     new_group_B = torch.ones(len(prompt_ids_B_P), dtype=torch.bool, device=prompt_ids_B_P.device)
     new_group_B[1:] = ((prompt_ids_B_P[1:] != prompt_ids_B_P[:-1]) | (prompt_mask_B_P[1:] != prompt_mask_B_P[:-1])).any(-1)
+    if has_images(batch):
+        images = batch["image_inputs"]
+        for b in (~new_group_B).nonzero().squeeze(-1).tolist():
+            new_group_B[b] = not same_images(images[b], images[b - 1])
     return new_group_B
 
 
-def _pack_groups(batch: Batch):
-    """The shared-prefix layout of `response_outputs`: token ids and position ids `[N]` (N = R·W slots),
-    how many slots from each one on may attend to it `[R, W]`, and the slot whose output predicts each
-    response token `[B, T]`. Padding slots hold token 0 and attend only to themselves."""
+@dataclass
+class Packing:
+    """The shared-prefix layout of `response_outputs` (`_pack_groups`) over N = R·W slots. Padding slots hold token
+    0 and attend only to themselves."""
+    ids_N: torch.Tensor
+    position_N: torch.Tensor
+    """Each slot's position as in the sampler (0, 1, ... from its prompt's first real token)."""
+    span_R_W: torch.Tensor
+    """How many slots from each one on may attend to it."""
+    predictor_B_T: torch.Tensor
+    """The slot whose output predicts each response token."""
+    group_N: torch.Tensor
+    """The group each slot holds (-1: padding) ..."""
+    prompt_N: torch.Tensor
+    """... and whether it is one of the group's prompt tokens."""
+    first_G: torch.Tensor
+    """Each group's first row."""
+    prompt_len_G: torch.Tensor
+    offset_G: torch.Tensor
+    """Each group's first slot."""
+
+
+def _pack_groups(batch: Batch) -> Packing:
+    """The shared-prefix layout of `response_outputs` (see `Packing`)."""
     prompt_ids_B_P, prompt_mask_B_P = batch["prompt_ids"], batch["prompt_mask"].bool()
     response_ids_B_T, response_mask_B_T = batch["response_ids"], batch["response_mask"].bool()
     T, device = response_ids_B_T.shape[1], response_ids_B_T.device
@@ -276,6 +326,8 @@ def _pack_groups(batch: Batch):
     N = rows * W
     ids_N, position_N = (torch.zeros(N, dtype=torch.long, device=device) for _ in range(2))
     span_N = torch.ones(N, dtype=torch.long, device=device)
+    group_N = torch.full((N,), -1, dtype=torch.long, device=device)
+    prompt_N = torch.zeros(N, dtype=torch.bool, device=device)
     # each group's prompt, once; a prompt token is visible from the rest of its group
     prompt_mask_G_P = prompt_mask_B_P[first_G]
     position_G_P = prompt_mask_G_P.cumsum(-1) - 1
@@ -284,15 +336,18 @@ def _pack_groups(batch: Batch):
     ids_N[slots] = prompt_ids_B_P[first_G][prompt_mask_G_P]
     position_N[slots] = position_G_P[prompt_mask_G_P]
     span_N[slots] = ((offset_G + group_len_G)[:, None] - slot_G_P)[prompt_mask_G_P]
+    group_N[slots] = torch.arange(G, device=device)[:, None].expand_as(slot_G_P)[prompt_mask_G_P]
+    prompt_N[slots] = True
     # then its response prefixes in depth-first order; a prefix is visible from its subtree
     slot_M = offset_G[tree.group_M] + prompt_len_G[tree.group_M] + tree.preorder_M
-    ids_N[slot_M], span_N[slot_M] = tree.token_M, tree.size_M
+    ids_N[slot_M], span_N[slot_M], group_N[slot_M] = tree.token_M, tree.size_M, tree.group_M
     position_N[slot_M] = prompt_len_G[tree.group_M] + tree.depth_M
     # response token 0 is predicted by the group's last prompt token, token t by the prefix of its first t
     predictor_B_T = (offset_G + prompt_len_G - 1)[group_B][:, None].repeat(1, T)  # past a row's end: any slot
     after_B_T = tree.node_B_T[:, :-1] >= 0
     predictor_B_T[:, 1:][after_B_T] = slot_M[tree.node_B_T[:, :-1][after_B_T]]
-    return ids_N, position_N, span_N.view(-1, W), predictor_B_T
+    return Packing(ids_N=ids_N, position_N=position_N, span_R_W=span_N.view(-1, W), predictor_B_T=predictor_B_T,
+                   group_N=group_N, prompt_N=prompt_N, first_G=first_G, prompt_len_G=prompt_len_G, offset_G=offset_G)
 
 
 def _pack(lengths: list[int]) -> tuple[list[int], int, int]:
