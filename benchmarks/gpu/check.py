@@ -183,7 +183,9 @@ def gsm8k_task(tmp: str):
     return rl.tasks.from_parquet(f"{tmp}/gsm8k/train.parquet", test=f"{tmp}/gsm8k/test.parquet")
 
 
-GRPO_ROWS: list[dict] = []  # the grpo check's step rows, which the mismatch check reads
+MISMATCH = ("sampler_mismatch_mean", "sampler_mismatch_max", "sampler_kl", "sampler_kl_k3", "sampler_ratio_min",
+            "sampler_ratio_max")
+"""The sampler-vs-trainer metrics of each GRPO step, which the mismatch check reports."""
 
 
 def check_grpo(shape: Shape, device: str, model_dir: str, tmp: str, **_) -> dict:
@@ -199,25 +201,24 @@ def check_grpo(shape: Shape, device: str, model_dir: str, tmp: str, **_) -> dict
             batch = session.last_batch
             response = int(batch["response_mask"].sum())
             trained = response + int(batch["prompt_mask"].sum())
-            GRPO_ROWS.append(row)
             steps.append({"seconds": {k.removeprefix("time_"): round(v, 2) for k, v in row.items()
                                       if k.startswith("time_")},
                           "rows": len(batch), "response_tokens": response, "trained_tokens": trained,
                           "sampler_tokens_per_s": round(response / row["time_rollout"]),
                           "trainer_tokens_per_s": round(trained / row["time_update"]),
                           "response_length": row["response_length"], "loss": row["loss"],
-                          "grad_norm": row["grad_norm"], "entropy": row["entropy"]})
+                          "grad_norm": row["grad_norm"], "entropy": row["entropy"],
+                          "sampler": {k: row[k] for k in MISMATCH}})
     return {"settings": {k: v for k, v in settings.items() if k not in ("model", "task")}, "steps": steps,
             "peak_gib": peak(device), "note": "step 1 includes warm-up; the update stage also runs the old-policy "
                                              "and reference forwards"}
 
 
-def check_mismatch(**_) -> dict:
-    if not GRPO_ROWS:
+def check_mismatch(results: dict, **_) -> dict:
+    steps = results["checks"].get("grpo", {}).get("steps")
+    if not steps:
         raise RuntimeError("the grpo check ran no step")
-    keys = ("sampler_mismatch_mean", "sampler_mismatch_max", "sampler_kl", "sampler_kl_k3", "sampler_ratio_min",
-            "sampler_ratio_max")
-    return {"per_step": [{k: row[k] for k in keys} for row in GRPO_ROWS],
+    return {"per_step": [step["sampler"] for step in steps],
             "note": "HF sampler with bf16 weights vs the trainer's bf16 autocast over fp32 weights"}
 
 
