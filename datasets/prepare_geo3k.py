@@ -13,10 +13,8 @@ truth the answer. Graded by `rlbench.rewards.geo3k_reward` (0.9 x correct + 0.1 
 
 from __future__ import annotations
 
-import argparse
-
 from rlbench.models.vision import IMAGE_MARK
-from rlbench.tasks import convert_files
+from rlbench.tasks import convert_main
 
 DATA_SOURCE = "hiyouga/geometry3k"
 INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the final "
@@ -40,13 +38,7 @@ def convert(record: dict, index: int, split: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", help="Geometry3K train parquet")
-    parser.add_argument("--test", help="Geometry3K test parquet")
-    parser.add_argument("--out", required=True, help="output directory")
-    args = parser.parse_args(argv)
-    for split, path in convert_files(convert, {"train": args.train, "test": args.test}, args.out).items():
-        print(f"{split}: {path}")
+    convert_main(convert, __doc__, "Geometry3K", argv)
 
 
 if __name__ == "__main__":

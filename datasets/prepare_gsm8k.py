@@ -12,9 +12,7 @@ Each row: the question plus verl's instruction as one user message, ground truth
 
 from __future__ import annotations
 
-import argparse
-
-from rlbench.tasks import convert_files
+from rlbench.tasks import convert_main
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -38,13 +36,7 @@ def convert(record: dict, index: int, split: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", help="GSM8K train file (.jsonl / .parquet)")
-    parser.add_argument("--test", help="GSM8K test file (.jsonl / .parquet)")
-    parser.add_argument("--out", required=True, help="output directory")
-    args = parser.parse_args(argv)
-    for split, path in convert_files(convert, {"train": args.train, "test": args.test}, args.out).items():
-        print(f"{split}: {path}")
+    convert_main(convert, __doc__, "GSM8K", argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from rlbench.tasks.agent import AgentTask
 from rlbench.tasks.calculator import Calculator, calculator_split
 from rlbench.tasks.arithmetic import Arithmetic
 from rlbench.tasks.base import Task
-from rlbench.tasks.data import (DataTask, check_row, convert_files, from_jsonl, from_parquet, read_records,
+from rlbench.tasks.data import (DataTask, check_row, convert_files, convert_main, from_jsonl, from_parquet, read_records,
                                 read_rows, shuffled, split, write_rows)
 from rlbench.tasks.prompts import check_prompts, has_images, limit_prompt_tokens, longest_prompt_tokens, prompt_tokens
 from rlbench.tasks.shapes import Shapes
@@ -29,7 +29,7 @@ from rlbench.tasks import tool_math
 
 __all__ = [
     "AgentTask", "Arithmetic", "Countdown", "DataTask", "ListTask", "Multiplication", "Reverse", "Shapes", "Sort", "Task", "check_row",
-    "check_prompts", "convert_files", "encode_prompt", "factory", "fingerprint", "from_jsonl", "from_parquet", "get", "has_images", "limit_prompt_tokens", "longest_prompt_tokens", "names",
+    "check_prompts", "convert_files", "convert_main", "encode_prompt", "factory", "fingerprint", "from_jsonl", "from_parquet", "get", "has_images", "limit_prompt_tokens", "longest_prompt_tokens", "names",
     "prompt_tokens", "read_records", "read_rows", "render_prompt", "settings_of", "shuffled", "split", "write_rows",
 ]
 

@@ -14,6 +14,7 @@ The reward defaults to verl's rule: the grader registered for each row's `data_s
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -138,6 +139,19 @@ def convert_files(convert: Callable[[dict, int, str], dict],
         rows = [convert(record, i, split_name) for i, record in enumerate(records)]
         written[split_name] = write_rows(rows, Path(out_dir) / f"{split_name}{suffix}")
     return written
+
+
+def convert_main(convert: Callable[[dict, int, str], dict], description: str, what: str,
+                 argv: list[str] | None = None) -> None:
+    """The command line of a `datasets/prepare_*.py` script that takes a train and a test file of `what` data set:
+    --train, --test (either may be left out), --out; `convert_files` on them, printing each file written."""
+    parser = argparse.ArgumentParser(description=description.splitlines()[0])
+    parser.add_argument("--train", help=f"{what} train file (.jsonl / .parquet)")
+    parser.add_argument("--test", help=f"{what} test file (.jsonl / .parquet)")
+    parser.add_argument("--out", required=True, help="output directory")
+    args = parser.parse_args(argv)
+    for split, path in convert_files(convert, {"train": args.train, "test": args.test}, args.out).items():
+        print(f"{split}: {path}")
 
 
 def check_row(row: dict, *, check_reward: bool = False) -> None:
