@@ -226,8 +226,11 @@ def test_the_geo3k_recipe_follows_verls_vision_example_and_its_data_carries_diag
     right = "<think>r = 2</think> The area is \\boxed{4\\pi}."
     assert rl.rewards.by_data_source(right, task.train[1]) == {"score": 1.0, "acc": 1.0, "format": 1.0}
     assert rl.rewards.by_data_source("\\boxed{4\\pi}", task.train[1])["score"] == 0.9  # right, not in the format
-    # and a vision-language session takes them as they are: each diagram becomes the model's 16 image tokens
-    with rl.Session(model="tiny-vl", task=task, prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4, threads=1,
+    # and a vision-language session takes such rows (chat messages, diagrams as records): each diagram becomes the
+    # model's 16 image tokens (the problem alone: with the instruction a prompt would not fit tiny-vl's 256 positions)
+    short = [dict(e, prompt=[{"role": "user", "content": e["extra_info"]["problem"]}]) for e in task.train]
+    tiny = rl.tasks.DataTask(name="geo3k", train=short, test=short)
+    with rl.Session(model="tiny-vl", task=tiny, prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4, threads=1,
                     log_dir=None) as s:
         batch = s.score(s.rollout())
         image_id = s.tokenizer.convert_tokens_to_ids("<|image_pad|>")

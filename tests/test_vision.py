@@ -232,26 +232,51 @@ def test_freeze_vision_trains_the_language_model_only(task, tiny_dir):
 
 
 def test_bad_images_are_named_before_or_when_they_are_used(task, tmp_path, tiny_dir):
-    """A text-only model given images, more images than marks, a missing file: refused at the start naming the row;
-    an unreadable file: at the rollout that reads it, naming the example."""
+    """A text-only model given images, more images than marks, a missing file, a file that is no picture: refused at
+    the start naming the row; a file spoilt after the start: at the rollout that reads it, naming the example."""
     picture = tmp_path / "a.png"
     task.test[0]["images"][0].save(picture)
     (tmp_path / "bad.png").write_bytes(b"not a picture")
     row = {"prompt": "<image>how many?=", "answer": "1", "images": [str(picture)]}
     cases = [(dict(row, images=[str(picture)] * 2, prompt="<image>how many?="), "train example 1 .* has 1 <image> "
               "mark.s. and 2 image"),
-             (dict(row, images=[str(tmp_path / "gone.png")]), "train example 1 .* its image '.*gone.png' is not a file")]
+             (dict(row, images=[str(tmp_path / "gone.png")]), "train example 1 .* its image '.*gone.png' is not a file"),
+             (dict(row, images=[str(tmp_path / "bad.png")]), "train example 1 .* its image '.*bad.png' cannot be read")]
     for bad, message in cases:
         data = rl.tasks.DataTask(train=[row, bad], test=[row], reward=lambda completion, example: 0.0, name="vl")
         with pytest.raises(ValueError, match=message):
             rl.Session(task=data, **SMALL)
     with pytest.raises(ValueError, match="train example 0 of task 'shapes': it has 1 image.s. .* text-only"):
         rl.Session(task=task, **SMALL | {"model": tiny_dir})
-    unreadable = rl.tasks.DataTask(train=[dict(row, images=[str(tmp_path / "bad.png")])], test=[row],
-                                   reward=lambda completion, example: 0.0, name="vl")
-    with rl.Session(task=unreadable, **SMALL) as s:
-        with pytest.raises(ValueError, match="example 0 .*how many.*bad.png"):
+    spoilt = tmp_path / "spoilt.png"
+    task.test[1]["images"][0].save(spoilt)
+    data = rl.tasks.DataTask(train=[dict(row, images=[str(spoilt)])], test=[row], name="vl",
+                             reward=lambda completion, example: 0.0)
+    with rl.Session(task=data, **SMALL) as s:
+        spoilt.write_bytes(b"not a picture any more")
+        with pytest.raises(ValueError, match="example 0 .*how many.*spoilt.png"):
             s.rollout()
+
+
+def test_prompt_lengths_count_each_pictures_tokens(vl, task):
+    """`max_prompt_tokens` counts what the model reads: a 64 x 64 picture is 18 tokens (16 image tokens between
+    its start and end), not the 7 characters of its `<image>` mark; counted without processing a pixel, as
+    `Vision.encode` makes them, for pictures of other sizes too."""
+    _, tokenizer, vision = vl
+    for example in task.test[:5]:
+        for size in [(64, 64), (40, 120), (200, 96)]:
+            images = [example["images"][0].resize(size)]
+            assert vision.prompt_tokens(tokenizer, example["prompt"], images) == len(
+                vision.encode(tokenizer, example["prompt"], images)[0])
+    longest = rl.tasks.longest_prompt_tokens(tokenizer, task.test, fits=lambda n: True, vision=vision)
+    assert longest == max(len(vision.encode(tokenizer, e["prompt"], e["images"])[0]) for e in task.test)
+    text_only = len(tokenizer.encode(max((e["prompt"] for e in task.test), key=len)))
+    assert longest == text_only - len(tokenizer.encode("<image>")) + 18
+    with pytest.raises(ValueError, match=f"has a {longest}-token prompt, over max_prompt_tokens={longest - 1}"):
+        rl.Session(task=task, **SMALL | {"max_prompt_tokens": longest - 1})
+    with pytest.warns(UserWarning, match="dropped .* longer than"):
+        with rl.Session(task=task, **SMALL | {"max_prompt_tokens": longest - 1, "long_prompts": "drop"}) as s:
+            assert 0 < len(s.task.train) < len(task.train)
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -74,6 +74,21 @@ class Vision:
             ids += [self.end_id] + self._text(tokenizer, part)
         return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": grid_I_3}
 
+    def prompt_tokens(self, tokenizer, text: str, images: Sequence) -> int:
+        """How many tokens `encode` gives the prompt, without processing a pixel: its text's, and each image's from
+        the image's size alone (the processor's resize rule; of a file only the header is read)."""
+        if IMAGE_MARK not in text:
+            text = IMAGE_MARK * len(images) + text
+        parts = text.split(IMAGE_MARK)
+        return sum(len(self._text(tokenizer, part)) for part in parts) + sum(
+            self.image_tokens(image) for image in images)
+
+    def image_tokens(self, image) -> int:
+        """The tokens one image takes in a prompt: `<|vision_start|>`, one `<|image_pad|>` per merged patch,
+        `<|vision_end|>`."""
+        width, height = image_size(image)
+        return self.processor.get_number_of_image_patches(height, width, {}) // self.merge_size**2 + 2
+
     def _text(self, tokenizer, text: str) -> list[int]:
         """The ids of a stretch of text; ValueError where the tokenizer reads an image token in it (a tokenizer
         that parses special tokens in text, as Qwen's does, would take typed "<|image_pad|>" for an image slot)."""
@@ -157,6 +172,20 @@ def same_images(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         return True
     return bool(a) and bool(b) and torch.equal(a["image_grid_thw"], b["image_grid_thw"]) and torch.equal(
         a["pixel_values"], b["pixel_values"])
+
+
+def image_size(image) -> tuple[int, int]:
+    """(width, height) of a PIL image, a path or a `{"bytes", "path"}` record, reading a file's header only."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.size
+    source = io.BytesIO(image["bytes"]) if isinstance(image, dict) and image.get("bytes") else (
+        image.get("path") if isinstance(image, dict) else image)
+    if not isinstance(source, (str, Path, io.BytesIO)):
+        raise TypeError(f"an image is a PIL image, a path or a {{'bytes', 'path'}} record, not {type(image).__name__}")
+    with Image.open(source) as opened:  # lazy: the pixels are not decoded
+        return opened.size
 
 
 def load_image(image):

@@ -61,10 +61,11 @@ def prepare(cfg: Config, algorithm: Algorithm, task):
         models.check_fits(model_dir, tokenizer, max_prompt_tokens=None, max_new_tokens=cfg.max_new_tokens)
         return task, model_dir, tokenizer
     tasks.check_prompts(task, takes_images=models.vision.has_vision(model_dir))
-    task = tasks.limit_prompt_tokens(task, tokenizer, cfg.max_prompt_tokens, on_long=cfg.long_prompts)
+    vision = models.vision.Vision.of(model_dir, tokenizer) if tasks.has_images(task) else None  # images' tokens count
+    task = tasks.limit_prompt_tokens(task, tokenizer, cfg.max_prompt_tokens, on_long=cfg.long_prompts, vision=vision)
     room = models.prompt_room(model_dir, cfg.max_new_tokens)
     longest = cfg.max_prompt_tokens or tasks.longest_prompt_tokens(
-        tokenizer, [*task.train, *task.test], fits=lambda n: room is None or n <= room)
+        tokenizer, [*task.train, *task.test], fits=lambda n: room is None or n <= room, vision=vision)
     models.check_fits(model_dir, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens,
                       longest_prompt_tokens=longest)
     return task, model_dir, tokenizer

@@ -13,23 +13,36 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rlbench.models.chat import messages_of, render_prompt
-from rlbench.models.vision import IMAGE_MARK
+from rlbench.models.vision import IMAGE_MARK, Vision, image_size
 from rlbench.tasks.base import Task
 from rlbench.tasks.data import DataTask
 
 
-def prompt_tokens(tokenizer, examples: Sequence[dict]) -> list[int]:
-    """Token count of each example's prompt, rendered as the session renders it (`render_prompt`)."""
+def prompt_tokens(tokenizer, examples: Sequence[dict], vision: Vision | None = None) -> list[int]:
+    """Token count of each example's prompt, rendered as the session renders it (`render_prompt`); with a
+    vision-language model's `vision`, its images' tokens counted in (`Vision.prompt_tokens`)."""
     if not examples:
         return []
     texts = [render_prompt(tokenizer, e["prompt"]) for e in examples]
+    if vision is not None:
+        counts = []
+        for text, example in zip(texts, examples):
+            try:
+                counts.append(vision.prompt_tokens(tokenizer, text, example.get("images") or []))
+            except (OSError, TypeError, ValueError) as error:  # an image that cannot be read, typed image markup
+                raise ValueError(f"the prompt {str(example['prompt'])[:60]!r}{_origin(example)}: {error}") from None
+        return counts
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def longest_prompt_tokens(tokenizer, examples: Sequence[dict], *, fits: Callable[[int], bool]) -> int:
+def longest_prompt_tokens(tokenizer, examples: Sequence[dict], *, fits: Callable[[int], bool],
+                          vision: Vision | None = None) -> int:
     """Token count of the longest prompt, or an upper bound of it that `fits`: a rendered prompt's UTF-8 byte
     count bounds its token count (every token stands for at least one byte), and rendering is ~100x cheaper
-    than tokenizing, so prompts are tokenized only when the bound does not fit."""
+    than tokenizing, so prompts are tokenized only when the bound does not fit. Prompts with images (`vision`:
+    counted in) have no such bound: they are counted."""
+    if vision is not None and any(e.get("images") for e in examples):
+        return max(prompt_tokens(tokenizer, examples, vision), default=0)
     bound = max((len(render_prompt(tokenizer, e["prompt"]).encode()) for e in examples), default=0)
     return bound if fits(bound) else max(prompt_tokens(tokenizer, examples), default=0)
 
@@ -61,10 +74,14 @@ def _check_images(example: dict, messages: list[dict] | None, takes_images: bool
     if not takes_images:
         raise ValueError(f"it has {len(images)} image(s) ('images') and the model is text-only (no vision tower): "
                          f"use a vision-language model (e.g. model='tiny-vl'), or drop the images")
-    for image in images:  # a file named but not there: found now, not at its first rollout
+    for image in images:  # a file named but not there, or not a picture: found now, not at its first rollout
         path = image.get("path") if isinstance(image, dict) and not image.get("bytes") else image
         if isinstance(path, (str, os.PathLike)) and not Path(path).is_file():
             raise ValueError(f"its image {str(path)!r} is not a file")
+        try:
+            image_size(image)  # its header: the pixels are read at the rollout
+        except (OSError, TypeError) as error:
+            raise ValueError(f"its image {str(path)[:80]!r} cannot be read: {error}") from None
     text = example["prompt"] if messages is None else "".join(str(m.get("content", "")) for m in messages)
     marks = text.count(IMAGE_MARK)
     if marks not in (0, len(images)):
@@ -77,8 +94,10 @@ def has_images(task: Task) -> bool:
     return any(isinstance(e, dict) and e.get("images") for split in (task.train, task.test) for e in split)
 
 
-def limit_prompt_tokens(task: Task, tokenizer, max_tokens: int | None, *, on_long: str = "error") -> Task:
-    """`task` itself when every prompt fits in `max_tokens` (or there is no limit); otherwise
+def limit_prompt_tokens(task: Task, tokenizer, max_tokens: int | None, *, on_long: str = "error",
+                        vision: Vision | None = None) -> Task:
+    """`task` itself when every prompt fits in `max_tokens` (or there is no limit; a vision-language model's `vision`:
+    its images' tokens counted in); otherwise
 
     - on_long="error": ValueError naming the first too-long example (split, position, length, data source);
     - on_long="drop": a `DataTask` without them, with the count per split in `.dropped` (and a warning).
@@ -90,7 +109,7 @@ def limit_prompt_tokens(task: Task, tokenizer, max_tokens: int | None, *, on_lon
     kept, dropped = {}, {}
     for split_name in ("train", "test"):
         examples = list(getattr(task, split_name))
-        lengths = prompt_tokens(tokenizer, examples)
+        lengths = prompt_tokens(tokenizer, examples, vision)
         too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
         if too_long and on_long == "error":
             i = too_long[0]
