@@ -184,12 +184,16 @@ def test_a_step_on_image_prompts_trains_on_what_the_sampler_saw(task, tmp_path):
 def test_the_packed_layout_runs_each_picture_once_and_gives_the_per_sample_numbers(vl, task):
     """The trainer's packed layout on image prompts (each group's prompt and pictures once, 3-D positions for its
     responses) gives the per-sample layout's log-probs within 1e-5, also where two groups ask the same question of
-    different pictures (the same prompt tokens: the pictures tell them apart), and "auto" packs such a batch."""
+    different pictures (the same prompt tokens: the pictures tell them apart) and beside prompts without a picture;
+    "auto" packs such batches."""
     model, tokenizer, vision = vl
     same_question = [dict(e, prompt="<image>how many?=") for e in task.train[:3]]
     data = rl.tasks.DataTask(train=same_question, test=same_question, name="vl",
                              reward=lambda completion, example: 0.0)
-    for source in (task, data):
+    with_and_without = [task.train[0], {"prompt": "how many?=", "answer": "1"}, task.train[1]]  # text rows too
+    mixed = rl.tasks.DataTask(train=with_and_without, test=with_and_without, name="mixed",
+                              reward=lambda completion, example: 0.0)
+    for source in (task, data, mixed):
         with rl.Session(task=source, **SMALL | {"prompts_per_step": 3}) as s:
             batch = s.rollout()
         mask = batch["response_mask"].bool()
