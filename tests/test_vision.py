@@ -4,6 +4,7 @@ tiny-vl model, warm-started so that it answers by looking."""
 import copy
 import io
 
+import numpy as np
 import pytest
 import torch
 from floats import assert_close
@@ -283,12 +284,39 @@ def test_prompt_lengths_count_each_pictures_tokens(vl, task):
             assert 0 < len(s.task.train) < len(task.train)
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(rollout_mode="async"), "rollout_mode='async' does not take images yet"),
-    (dict(sampler="vllm"), "the vllm sampler does not take them yet|sampler='vllm' cannot run here")])
-def test_what_does_not_take_images_yet_says_so(task, changes, message):
-    with pytest.raises(ValueError, match=message):
-        rl.Session(task=task, **SMALL | changes)
+def test_the_vllm_sampler_says_it_does_not_take_images_yet(task):
+    with pytest.raises(ValueError, match="the vllm sampler does not take them yet|sampler='vllm' cannot run here"):
+        rl.Session(task=task, **SMALL | {"sampler": "vllm"})
+
+
+def test_a_partial_rollout_goes_on_with_its_prompts_pictures(vl, task):
+    """An asynchronous rollout worker's rows, continued from their context piece by piece (a sampler interrupted
+    every 3 tokens), keep their pictures: greedy, the pieces draw exactly the one-call rollout's tokens and log-probs
+    (without the pictures the continuations would answer blind). Then an async session trains on image prompts."""
+    model, tokenizer, vision = vl
+    sampler = rl.samplers.HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    chunked = rl.samplers.PartialRollouts(Chunked(sampler), chunk_tokens=3)
+    encoded = [vision.encode(tokenizer, e["prompt"], e["images"]) for e in task.test[:6]]
+    prompts, images = [ids for ids, _ in encoded], [pixels for _, pixels in encoded]
+    greedy = rl.samplers.SamplingParams(temperature=0.0, max_new_tokens=16)
+    whole, pieces = sampler.generate(prompts, greedy, images=images), chunked.rollout(prompts, greedy, images=images)
+    assert not chunked.interruptible and pieces["response_ids"].shape[1] > 3  # it did go on past the first piece
+    assert torch.equal(pieces["response_ids"], whole["response_ids"])
+    assert_close(pieces["sampler_logp"], whole["sampler_logp"], atol=1e-5)
+    with rl.Session(task=task, **SMALL | {"rollout_mode": "async"}) as s:
+        rows = s.run(3, progress=False)
+    assert rows["staleness_max"].max() <= 1 and np.isfinite(rows["loss"]).all()
+
+
+class Chunked:
+    """The HF sampler without its interrupt (as vLLM's): `PartialRollouts` then generates in pieces of
+    `chunk_tokens`, each row going on from its prompt and what it drew."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def generate(self, prompt_ids, params, *, images=None):
+        return self.sampler.generate(prompt_ids, params, images=images)
 
 
 def test_the_policy_never_draws_image_markup(vl, task):

@@ -37,9 +37,10 @@ class Paced:
         self.pad_token_id = sampler.pad_token_id
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
-                 interrupt: threading.Event | None = None) -> Batch:
+                 interrupt: threading.Event | None = None, images: Sequence[dict] | None = None) -> Batch:
         clock = _Clock(interrupt, self.seconds_per_token)
-        out = self.sampler.generate(prompt_ids, params, interrupt=clock)
+        given = {"images": images} if images is not None else {}  # (a text-only sampler takes none)
+        out = self.sampler.generate(prompt_ids, params, interrupt=clock, **given)
         clock.wait_until(out["response_ids"].shape[1])  # the last step (no check after it) takes its time too
         return out
 

@@ -80,16 +80,20 @@ class PartialRollouts:
             self.stats["load_s"] += time.perf_counter() - start
 
     # --------------------------------------------------------------------------------- sampling
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
-        """The Sampler protocol, under the newest weights pushed; a rollout in progress pauses for it."""
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
+                 images: Sequence[dict] | None = None) -> Batch:
+        """The Sampler protocol, under the newest weights pushed; a rollout in progress pauses for it. `images`: per
+        prompt, its pixels (a vision-language model's; passed to the sampler's own `generate`)."""
         with self._calling(first=True):
-            return self.sampler.generate(prompt_ids, params)
+            return self.sampler.generate(prompt_ids, params, **_with(images))
 
-    def rollout(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, min_version: int = 0) -> Batch:
+    def rollout(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, min_version: int = 0,
+                images: Sequence[dict] | None = None) -> Batch:
         """`params.n` completions of each prompt, like `generate`, plus `token_version [B, T]` (the weights version
         that drew each token; 0 on padding). Weights pushed meanwhile are taken at the next token and the unfinished
-        rows go on under them. RuntimeError if the weights held at the start are older than `min_version` (the
-        controller pushes them before it asks for a rollout that needs them)."""
+        rows go on under them (a row with images goes on with its prompt's). RuntimeError if the weights held at the
+        start are older than `min_version` (the controller pushes them before it asks for a rollout that needs
+        them)."""
         n, T = params.n, params.max_new_tokens
         B = len(prompt_ids) * n
         prompts = [[int(t) for t in prompt_ids[b // n]] for b in range(B)]
@@ -107,7 +111,7 @@ class PartialRollouts:
                                        f"{self.version} and none newer were pushed")
                 version = self.version
                 if first:  # the first piece: exactly the sampler's own call (shared prompts, the caller's seeds)
-                    out = self._call(prompt_ids, replace(params, max_new_tokens=self._piece(T)))
+                    out = self._call(prompt_ids, replace(params, max_new_tokens=self._piece(T)), images)
                     lengths_B = out["response_mask"].sum(-1)
                     if bool((out["finished"] | (lengths_B >= T)).all()):  # nothing to go on with: as it came
                         return out.with_columns(token_version=out["response_mask"] * version)
@@ -115,7 +119,8 @@ class PartialRollouts:
                     room = T - len(drawn[rows[0]])
                     out = self._call([prompts[b] + drawn[b] for b in rows], replace(
                         params, n=1, max_new_tokens=self._piece(room),
-                        seeds=tuple(_continuation_seed(seeds[b], b, len(drawn[b])) for b in rows)))
+                        seeds=tuple(_continuation_seed(seeds[b], b, len(drawn[b])) for b in rows)),
+                        [images[b // n] for b in rows] if images is not None else None)
                     self.stats["interrupted_rows"] += sum(versions[b][0] != version for b in rows)
             ids = out["response_ids"].tolist()
             lengths = out["response_mask"].sum(-1).tolist()
@@ -133,10 +138,10 @@ class PartialRollouts:
     def _piece(self, room: int) -> int:
         return room if self.interruptible else min(room, self.chunk_tokens)
 
-    def _call(self, prompt_ids, params: SamplingParams) -> Batch:
+    def _call(self, prompt_ids, params: SamplingParams, images: Sequence[dict] | None = None) -> Batch:
         if self.interruptible:
-            return self.sampler.generate(prompt_ids, params, interrupt=self._interrupt)
-        return self.sampler.generate(prompt_ids, params)
+            return self.sampler.generate(prompt_ids, params, interrupt=self._interrupt, **_with(images))
+        return self.sampler.generate(prompt_ids, params, **_with(images))
 
     def _batch(self, drawn, logp, versions, finished) -> Batch:
         B, T = len(drawn), max([len(d) for d in drawn] + [1])
@@ -174,6 +179,11 @@ class PartialRollouts:
             with self._turn:
                 self._busy = False
                 self._turn.notify_all()
+
+
+def _with(images: Sequence[dict] | None) -> dict:
+    """The `images=` argument of a sampler's `generate` when there are images (a text-only sampler has none)."""
+    return {"images": images} if images is not None else {}
 
 
 def _continuation_seed(seed: int, row: int, length: int) -> int:

@@ -294,15 +294,11 @@ class Async(RolloutMode):
         return True
 
     def check(self, cfg, algorithm, task) -> None:
-        """What it does not run (yet): episodes, images, a greedy baseline; and a sampler object shared by several
-        workers."""
+        """What it does not run (yet): episodes, a greedy baseline; and a sampler object shared by several workers."""
         if isinstance(task, tasks.AgentTask):
             raise ValueError(f"rollout_mode='async' samples single completions; task {getattr(task, 'name', task)!r} "
                              f"is agentic (its episodes are played turn by turn by the controller): use "
                              f"rollout_mode='sync' or 'overlap'")
-        if tasks.has_images(task):
-            raise ValueError(f"rollout_mode='async' does not take images yet (task {getattr(task, 'name', task)!r} "
-                             f"has them): use rollout_mode='sync' or 'overlap'")
         if algorithm.needs_greedy_baseline:
             raise ValueError(f"rollout_mode='async' does not sample algorithm {algorithm.name!r}'s greedy baseline: "
                              f"use rollout_mode='sync' or 'overlap'")

@@ -245,7 +245,8 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
         def restart_rollout(i: int) -> None:
             rollout[i].replace()
 
-        rollout = [SamplerHandle(workers, tokenizer, choice, why, restart=restart) for workers in samplers]
+        vision = Vision.of(model_dir, tokenizer)
+        rollout = [SamplerHandle(workers, tokenizer, choice, why, restart=restart, vision=vision) for workers in samplers]
         sampler = rollout[0]
     else:
         rollout = restart_rollout = None

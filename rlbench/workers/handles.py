@@ -291,9 +291,11 @@ class SamplerHandle:
         """An asynchronous run's rollout (`rl.samplers.PartialRollouts.rollout`): `generate`'s table plus
         `token_version [B, T]`, the weights version that drew each token (new weights are taken mid-generation).
         A dead worker raises WorkerDied: the caller draws the examples again, after `replace()`."""
-        prompt_ids = [self.encode_prompt(e["prompt"]) for e in examples]
-        out = self._call(PartialRollouts.rollout, prompt_ids, params, min_version, again=False)
-        return self._table(examples, prompt_ids, out, params.n)
+        encoded = [self.encode_example(i, e) for i, e in enumerate(examples)]
+        prompt_ids, inputs = [ids for ids, _, _ in encoded], [pixels for _, pixels, _ in encoded]
+        out = self._call(PartialRollouts.rollout, prompt_ids, params, min_version, inputs if any(inputs) else None,
+                         again=False)
+        return self._table(examples, prompt_ids, out, params.n, [(images, pixels) for _, pixels, images in encoded])
 
     def push_weights(self, weights, version: int) -> None:
         """Asynchronous runs: hand new weights (of this version) to the rollout worker, which takes them at its next
