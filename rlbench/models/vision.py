@@ -180,11 +180,7 @@ def image_size(image) -> tuple[int, int]:
 
     if isinstance(image, Image.Image):
         return image.size
-    source = io.BytesIO(image["bytes"]) if isinstance(image, dict) and image.get("bytes") else (
-        image.get("path") if isinstance(image, dict) else image)
-    if not isinstance(source, (str, Path, io.BytesIO)):
-        raise TypeError(f"an image is a PIL image, a path or a {{'bytes', 'path'}} record, not {type(image).__name__}")
-    with Image.open(source) as opened:  # lazy: the pixels are not decoded
+    with _opened(image) as opened:  # lazy: the pixels are not decoded
         return opened.size
 
 
@@ -194,11 +190,16 @@ def load_image(image):
 
     if isinstance(image, Image.Image):
         return image if image.mode == "RGB" else image.convert("RGB")  # loaded once: no copy when encoded again
-    if isinstance(image, dict):
-        if image.get("bytes"):
-            return Image.open(io.BytesIO(image["bytes"])).convert("RGB")
-        image = image.get("path")
-    if isinstance(image, (str, Path)):
-        with Image.open(image) as opened:
-            return opened.convert("RGB")
-    raise TypeError(f"an image is a PIL image, a path or a {{'bytes', 'path'}} record, not {type(image).__name__}")
+    with _opened(image) as opened:
+        return opened.convert("RGB")
+
+
+def _opened(image):
+    """The file behind a path or a `{"bytes", "path"}` record, opened (not decoded) by PIL."""
+    from PIL import Image
+
+    source = io.BytesIO(image["bytes"]) if isinstance(image, dict) and image.get("bytes") else (
+        image.get("path") if isinstance(image, dict) else image)
+    if not isinstance(source, (str, Path, io.BytesIO)):
+        raise TypeError(f"an image is a PIL image, a path or a {{'bytes', 'path'}} record, not {type(image).__name__}")
+    return Image.open(source)

@@ -40,7 +40,7 @@ class Shapes:
     test: tuple[dict, ...] = field(init=False, repr=False)
 
     settings: ClassVar[dict] = {"lr": 3e-4}
-    """The Session settings it needs (`rl.tasks.settings_of`): GRPO at the default 1e-4 learns it about half as fast."""
+    """The Session settings it needs (`rl.tasks.settings_of`): GRPO at the default lr 1e-4 learns it more slowly."""
 
     def __post_init__(self) -> None:
         train, test = data.split(max_shapes=self.max_shapes, image_size=self.image_size, seed=self.seed,
