@@ -25,6 +25,10 @@ import torch
 
 IMAGE_MARK = "<image>"
 IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+NEVER_LOGIT = -1e30
+"""The logit of a token the policy never draws (`never_sampled`) in the sampler and the trainer: probability 0 exactly
+(fp32's exp underflows), and finite after any temperature scaling (the lowest float divided by a temperature below 1
+is -inf, which makes an entropy's 0 x z a NaN)."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ def never_sampled(model) -> list[int]:
     """The token ids a vision-language model's policy never draws: its image markup (`<|vision_start|>`,
     `<|image_pad|>`, `<|vision_end|>`, and the video ones where it has them). They stand for pixels only in a
     prompt; drawn in a response they would be text, and a forward with images would take them for more image slots.
-    The sampler and the trainer both leave them out of the distribution (their logits are the lowest float), so
+    The sampler and the trainer both leave them out of the distribution (their logits are `NEVER_LOGIT`), so
     that the two agree exactly. [] for a text model."""
     if not has_vision_tower(model):
         return []

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlbench.algorithms import entropy_from_logits, teacher_topk, token_logp, token_logp_and_sum_pi2
 from rlbench.batch import Batch
-from rlbench.models.vision import forward_inputs, image_inputs, never_sampled, same_images
+from rlbench.models.vision import NEVER_LOGIT, forward_inputs, image_inputs, never_sampled, same_images
 
 
 PACK_WIDTH = 64
@@ -204,7 +204,7 @@ def _outputs_at(model, predictor_B_T: torch.Tensor, head: Callable[[torch.Tensor
         out_R_W_F = model(**inputs, use_cache=False).logits
         never = never_sampled(model)
         out_B_T_F = out_R_W_F.flatten(0, 1)[predictor_B_T].float()
-        return out_B_T_F.index_fill(-1, torch.tensor(never, device=out_B_T_F.device), torch.finfo(torch.float32).min) \
+        return out_B_T_F.index_fill(-1, torch.tensor(never, device=out_B_T_F.device), NEVER_LOGIT) \
             if never else out_B_T_F
     output_embedding = model.get_output_embeddings()
     output_embedding.forward = lambda hidden_R_W_H: head(hidden_R_W_H.flatten(0, 1)[predictor_B_T.reshape(-1)])
@@ -242,14 +242,14 @@ def response_stats(model, batch: Batch, *, temperature: float, chunk_tokens: int
 
 
 def _never_drawn(model, bias_V: torch.Tensor | None, weight_V_H: torch.Tensor) -> torch.Tensor | None:
-    """The output head's bias, the lowest float at the tokens the policy never draws (`rl.models.vision.never_sampled`):
+    """The output head's bias, `NEVER_LOGIT` at the tokens the policy never draws (`rl.models.vision.never_sampled`):
     probability 0, and no inf to make an entropy's 0·z a NaN."""
     never = never_sampled(model)
     if not never:
         return bias_V
     bias_V = torch.zeros(weight_V_H.shape[0], dtype=weight_V_H.dtype, device=weight_V_H.device) if bias_V is None \
         else bias_V
-    return bias_V.index_fill(0, torch.tensor(never, device=bias_V.device), torch.finfo(bias_V.dtype).min)
+    return bias_V.index_fill(0, torch.tensor(never, device=bias_V.device), NEVER_LOGIT)
 
 
 def _head_stats(hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor, bias_V: torch.Tensor | None, ids_N: torch.Tensor,

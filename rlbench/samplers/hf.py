@@ -20,7 +20,7 @@ from rlbench import models
 from rlbench.algorithms import token_logp
 from rlbench.batch import Batch, left_pad
 from rlbench.models.lora import LoRA, delta, module_pairs
-from rlbench.models.vision import forward_inputs, has_vision_tower, never_sampled
+from rlbench.models.vision import NEVER_LOGIT, forward_inputs, has_vision_tower, never_sampled
 from rlbench.samplers import decoder
 from rlbench.samplers.decoder import CompactDecoder
 from rlbench.samplers.base import SamplingParams, as_tensors
@@ -100,7 +100,7 @@ class HFSampler:
         for t in range(T):
             logits_b_V = logits_c_V[context_b].float()
             if len(self.never):
-                logits_b_V.index_fill_(-1, self.never, torch.finfo(logits_b_V.dtype).min)
+                logits_b_V.index_fill_(-1, self.never, NEVER_LOGIT)
             token_b, token_logp_b = sample_next(logits_b_V, params, uniform_B_T[rows_b, t])
             tokens_B_T[rows_b, t], logp_B_T[rows_b, t] = token_b, token_logp_b
             running_b = ~torch.isin(token_b, stop_ids)
