@@ -202,7 +202,7 @@ class Batch:
         head = "".join(f"<th>{html.escape(n)}</th>" for n in shown)
         body = []
         for i in range(min(len(self), max_rows)):
-            cells = "".join(f"<td>{_thumbnails(self[n][i]) or html.escape(_cell(self[n][i], max_chars))}</td>"
+            cells = "".join(f"<td>{thumbnails(self[n][i]) or html.escape(_cell(self[n][i], max_chars))}</td>"
                             for n in shown)
             body.append(f"<tr>{cells}</tr>")
         more = f"<p>… {len(self) - max_rows} more rows</p>" if len(self) > max_rows else ""
@@ -214,7 +214,7 @@ def _describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
-def _thumbnails(value, size: int = 48) -> str | None:
+def thumbnails(value, size: int = 48) -> str | None:
     """A cell holding a list of images (PIL, as a vision-language batch's `images`) as inline thumbnails; None for
     any other value."""
     if not (isinstance(value, (list, tuple)) and value and all(hasattr(v, "save") and hasattr(v, "size")

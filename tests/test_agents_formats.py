@@ -193,7 +193,7 @@ def test_gpt_oss_appends_the_tool_result_after_a_sampled_call_as_the_function_an
                'to=functions.calc <|constrain|>json<|message|>{"expression": "12*45"}<|call|>')
     calls, _ = parser.parse(sampled)
     renderer = Renderer(tokenizer, TOOLS)
-    ids, kinds = renderer.continuation(sampled, tool_messages(parser, calls, ["540"]),
+    ids, kinds, _ = renderer.continuation(sampled, tool_messages(parser, calls, ["540"]),
                                        parser.assistant_message(sampled, calls))
     text = '<|start|>functions.calc to=assistant<|channel|>commentary<|message|>"540"<|end|><|start|>assistant'
     assert tokenizer.decode(ids) == text

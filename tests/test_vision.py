@@ -3,6 +3,7 @@ tiny-vl model, warm-started so that it answers by looking."""
 
 import copy
 import io
+import json
 
 import numpy as np
 import pytest
@@ -334,3 +335,155 @@ def test_the_policy_never_draws_image_markup(vl, task, temperature):
         assert not torch.isin(batch["response_ids"][mask], torch.tensor(never)).any()
         row = s.step()
         assert torch.isfinite(torch.tensor([row["entropy"], row["loss"]])).all()
+
+
+# ------------------------------------------------------------------------------- agentic, with pictures
+class Zoom(rl.Env):
+    """Questions about one cell of a shapes picture, with a tool that returns that cell enlarged."""
+
+    def reset(self, prompt, answer, images=(), picture=None, **fields):
+        self.picture, self.answer = load_image(picture or images[0]), answer  # (picture: beside a text model's prompt)
+        return prompt
+
+    @rl.tool
+    def zoom(self, cell: str):
+        """Look closer at one cell of the picture.
+
+        Args:
+            cell: "top left", "top right", "bottom left" or "bottom right".
+        """
+        return ["cell:", zoomed(self.picture, cell)]
+
+    @rl.tool
+    def markup(self, text: str) -> str:
+        """Echo a text (a tool whose text writes image markup of its own)."""
+        return text
+
+    def reward(self, episode):
+        return float(episode.final_text.strip() == self.answer)
+
+
+def zoomed(picture, cell: str):
+    row, column = divmod(CELLS.index(cell), GRID)
+    half = picture.width // GRID
+    return picture.crop((column * half, row * half, (column + 1) * half, (row + 1) * half)).resize(picture.size)
+
+
+def call(name: str, **arguments) -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {json.dumps(arguments)}}}</tool_call>'
+
+
+def zoom_first(context: str) -> str | None:
+    """A script for tiny-vl, which was never taught to call tools: its first turn zooms into the cell asked about; the
+    turns after a tool's result are the model's own (None)."""
+    return None if "\ntool:" in context else call("zoom", cell=next(c for c in CELLS if f">{c}?=" in context))
+
+
+@pytest.fixture(scope="module")
+def zoom_task(task):
+    cells = [e for e in task.train if e["prompt"].removeprefix("<image>").removesuffix("?=") in CELLS]
+    return rl.tasks.AgentTask(cells[:32], cells[32:40], env=Zoom, max_turns=2, name="zoom")
+
+
+def zoom_session(vl, zoom_task, respond=zoom_first, **settings):
+    model, tokenizer, vision = vl
+    sampler = rl.samplers.ScriptedSampler(tokenizer, respond, eos=True, then=rl.samplers.HFSampler(
+        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    return rl.Session(task=zoom_task, sampler=sampler, **SMALL | {"max_new_tokens": 96} | settings)
+
+
+def test_a_tools_picture_enters_the_next_turn_as_image_tokens_never_trained(vl, zoom_task):
+    """A tool that returns a picture (with text) appends the text, then the picture's own image tokens (kind "image":
+    neither sampled nor trained) at its place; the episode keeps its pictures in context order, with their pixels,
+    and the model's next turn is drawn with both pictures. In a step the trainer's log-probs on the turns the model
+    drew after the picture equal the sampler's (the text bound, 1e-5): both saw the picture at the same 3-D
+    positions. The rows take the per-sample layout (the packed one lays out a group's pictures once, before its
+    responses: asked for, it refuses)."""
+    model, tokenizer, vision = vl
+    example = zoom_task.train[0]
+    cell = example["prompt"].removeprefix("<image>").removesuffix("?=")
+    with zoom_session(vl, zoom_task) as s:
+        ep = s.episode(example).step().step()
+        assert [(row.kind, row.tokens) for row in ep.stretches().itertuples()][-4:] == [
+            ("template", 7), ("tool", 5), ("image", 18), ("template", 11)]  # "\ntool: ", "cell:", the picture, ...
+        assert ep.turns[0].results == ["cell:<image>"] and ep.tool_errors == 0
+        assert [p.tobytes() for p in ep.images] == [example["images"][0].tobytes(),
+                                                    zoomed(example["images"][0], cell).tobytes()]
+        assert ep.image_inputs["image_grid_thw"].tolist() == [[1, 8, 8], [1, 8, 8]]
+        table = ep.to_pandas()
+        assert not table[table["kind"] == "image"]["trainable"].any() and (table["kind"] == "image").sum() == 18
+        assert ep._repr_html_().count("<img") == 2  # the prompt's picture and the tool's, as thumbnails
+        ep.step()
+        assert ep.done and len(ep.turns) == 2 and ep.turns[1].stop_reason == "eos"  # the model's turn
+
+        batch = s.rollout()
+        kinds = batch["token_kind"]
+        assert (kinds == rl.agents.KINDS.index("image")).sum() == 18 * len(batch)
+        assert not batch["loss_mask"][kinds == rl.agents.KINDS.index("image")].any()
+        assert [len(images) for images in batch["images"]] == [2] * len(batch)
+        drawn = batch["loss_mask"].bool() & (batch["turn"] >= 1)  # the model's turns (the first is the script's)
+        logp = s.workers.policy.log_probs(batch)
+        assert_close(logp[drawn], batch["sampler_logp"][drawn], atol=1e-5)
+        assert (logp[kinds == rl.agents.KINDS.index("image")] == 0).all()  # never drawn: 0, as the sampler's
+        assert not packing_pays(model, batch)
+        with pytest.raises(ValueError, match="responses hold pictures of their own.*attention='per_sample'"):
+            response_outputs(model, batch, "packed")
+        row = s.step()
+        assert torch.isfinite(torch.tensor([row["loss"], row["entropy"], row["grad_norm"]])).all()
+
+
+def test_pictures_an_episode_cannot_take_are_recorded_failures(vl, zoom_task, chat_dir):
+    """A tool's picture for a text-only model, or a tool's text that holds image markup tokens for a vision-language
+    one (`<image>` in a text without pictures is text): the call's message is an error (the turn's errors say why)
+    and the episode goes on; an agentic example with pictures for a text-only model is refused at the start, naming
+    it; a first message whose marks do not pair up with the example's pictures ends that episode, the reason
+    recorded."""
+    def markup(text):
+        return lambda context: None if "\ntool:" in context else call("markup", text=text)
+
+    with zoom_session(vl, zoom_task, respond=markup("a <image> here")) as s:
+        ep = s.episode(zoom_task.train[0]).step().step()
+        assert ep.turns[0].results == ["a <image> here"] and ep.tool_errors == 0
+        assert "image" not in ep.to_pandas()["kind"].tolist()
+    with zoom_session(vl, zoom_task, respond=markup("<|image_pad|>")) as s:
+        ep = s.episode(zoom_task.train[0]).step().step()
+        assert ep.turns[0].errors == ["the tool's text holds this model's image markup tokens as text"]
+        assert ep.turns[0].results[0].startswith("error: ") and not ep.done
+
+    text_only = rl.tasks.AgentTask([dict(e, images=[], picture=e["images"][0]) for e in zoom_task.train[:4]],
+                                   env=Zoom, max_turns=2, name="zoom-text")
+    tokenizer = rl.models.load_tokenizer(chat_dir)  # a text-only model with a chat template
+    script = rl.samplers.ScriptedSampler(tokenizer, lambda context: "1" if "error:" in context
+                                         else call("zoom", cell="top left"), eos=True)
+    with rl.Session(task=text_only, sampler=script, **SMALL | {"max_new_tokens": 96, "model": chat_dir}) as s:
+        ep = s.episode(text_only.train[0]).step().step()
+        assert ep.turns[0].errors == ["the tool returned 1 picture(s) and the model is text-only (no vision tower)"]
+        assert not ep.done and ep.images == []
+    with pytest.raises(ValueError, match=r"train example 0 of task 'zoom'.*1 image\(s\).*text-only"):
+        rl.Session(task=zoom_task, sampler=script, **SMALL | {"model": chat_dir})
+
+    two_marks = dict(zoom_task.train[0], prompt="<image><image>top left?=")
+    with zoom_session(vl, zoom_task) as s:
+        ep = s.episode(two_marks)
+        assert ep.done and ep.stop_reason == "error"
+        assert "2 <image> mark(s) and 1 image(s)" in ep.reward_error
+
+
+def test_a_script_hands_the_turns_it_leaves_to_its_model(vl):
+    """`ScriptedSampler(then=...)`: contexts the script leaves (None) are the model's, with their own seeds and
+    pictures; without a model to hand them to, a clear error."""
+    model, tokenizer, vision = vl
+    hf = rl.samplers.HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("4+4=", "how many?=", "2+2=")]
+    params = rl.samplers.SamplingParams(max_new_tokens=8, temperature=1.0, seeds=(1, 2, 3))
+    mixed = rl.samplers.ScriptedSampler(tokenizer, lambda context: None if "how" in context else "x",
+                                        eos=True, then=hf).generate(prompts, params)
+    alone = hf.generate(prompts[1:2], rl.samplers.SamplingParams(max_new_tokens=8, temperature=1.0, seeds=(2,)))
+    n = int(alone["response_mask"].sum())
+    assert torch.equal(mixed["response_ids"][1, :n], alone["response_ids"][0, :n])
+    assert torch.equal(mixed["sampler_logp"][1, :n], alone["sampler_logp"][0, :n])
+    assert mixed["response_ids"][0, :2].tolist() == [*tokenizer.encode("x", add_special_tokens=False),
+                                                     tokenizer.eos_token_id]
+    with pytest.raises(ValueError, match="no completion \\(None\\) for context 1 and the sampler has no then="):
+        rl.samplers.ScriptedSampler(tokenizer, lambda context: None if "how" in context else "x").generate(
+            prompts, params)

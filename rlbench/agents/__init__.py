@@ -14,7 +14,8 @@
     rl.agents.check_template(tokenizer, messages)          # is the chat template append-only?
 
 The pieces: `env` (the contract: `Env`, `Game`, which methods are tools, several environments routed by a field of
-the example), `tools` (`@rl.tool`: a callable with its JSON schema, sync or async), `parsers` (tool-call formats: Hermes / Qwen, Llama 3, gpt-oss built in), `render` (append-only rendering and the
+the example), `tools` (`@rl.tool`: a callable with its JSON schema, sync or async; it returns text, or for a vision-language model
+a picture or texts and pictures), `parsers` (tool-call formats: Hermes / Qwen, Llama 3, gpt-oss built in), `render` (append-only rendering and the
 template check), `envs` (the environment worker: a turn's calls at once, each with its time limit, async ones on its
 event loop, the task's tool concurrency limit), `episode` (an episode's record, its Batch row, and the handle
 that steps one by hand), `runner` (the episode runner: episodes turn by turn, batched or by hand), `code` (`python_tool`: Python code

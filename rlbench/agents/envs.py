@@ -36,6 +36,7 @@ from rlbench.agents.env import environments, is_game, pick, tools_of
 from rlbench.agents.parsers import ToolCall
 from rlbench.agents.render import chat_messages
 from rlbench.agents.tools import Tool
+from rlbench.models.vision import has_pictures
 
 
 class EnvPool:
@@ -192,7 +193,7 @@ class EnvPool:
         except ValueError as error:
             return _error(str(error))
         with self.slots:
-            return self._timed(lambda: _text(tool(**arguments)), f"tool {call.name}")
+            return self._timed(lambda: _message(tool(**arguments)), f"tool {call.name}")
 
     def _run_step(self, key: int, action: str):
         """(observation, reward, done, None), or ("", 0.0, True, why) when `step` failed: raised, took too long,
@@ -297,13 +298,15 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def _text(value):
-    """A tool's value as its message; for an async tool's coroutine, a coroutine giving that."""
+def _message(value):
+    """A tool's value as its message: its text, or a value with pictures as it is (a PIL image, or a list of texts and
+    PIL images: the episode places them, `rl.models.vision.content_of`); for an async tool's coroutine, a coroutine
+    giving that."""
     if inspect.isawaitable(value):
-        async def text():
-            return str(await value)
-        return text()
-    return str(value)
+        async def message():
+            return _message(await value)
+        return message()
+    return value if has_pictures(value) else str(value)
 
 
 def _call_with_fields(fn: Callable, example: dict):

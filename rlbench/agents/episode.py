@@ -10,10 +10,15 @@ to, and the weights version that sampled it. Each turn records why it stopped:
     "context_full"  no room left in the model's context (the episode ends)
 
 and the episode why it ended: one of those, or "max_turns" (the last allowed turn called a tool), "env_done"
-(a game said done) or "error" (the environment failed to start, or a game's step failed: `reward_error` says why).
+(a game said done) or "error" (the environment failed to start, its first context or a later one could not be
+encoded, or a game's step failed: `reward_error` says why).
 
 In a Batch an episode is one row (see `to_batch`): `response_mask` covers every token after the prompt (the
 context the trainer runs over), `loss_mask` only the sampled ones (what losses, reductions and estimators use).
+
+With a vision-language model an episode also keeps its pictures (its example's `images`, then those its tools
+returned) in the order their image tokens (kind "image") come in its context, and their pixels: each turn's sampler
+call and the trainer's forward take them.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ import torch
 
 from rlbench.agents.parsers import ToolCall
 from rlbench.agents.render import KINDS
-from rlbench.batch import Batch, left_pad
+from rlbench.batch import Batch, left_pad, thumbnails
 from rlbench.models import readable_decode
+from rlbench.models.vision import joined
 
 SAMPLED = KINDS.index("sampled")
+IMAGE = KINDS.index("image")
 ENDS = ("eos", "tool_call", "max_tokens", "context_full", "max_turns", "env_done", "error")
 """Every stop reason of a turn or an episode."""
 
@@ -76,6 +83,11 @@ class Episode:
         self.turns: list[Turn] = []
         self.states: list[str] = []
         """What the policy saw before each turn (the last observation; the prompt before the first)."""
+        self.images: list = []
+        """Its pictures (PIL images; paths or records as its example gives them) in context order."""
+        self.pixels: list[dict] = []
+        """Their pixels and grids, a dict per stretch of context that brought pictures (`Vision.encode`'s); left out
+        when an episode is pickled (a reward reads `images`; a Batch keeps the pixels in its `image_inputs`)."""
         self.pending_tool_calls: list[ToolCall] = []
         """The calls of the last turn, not yet run: edit them before the next `step()`."""
         self.pending_tool_results: list[str] | None = None
@@ -125,6 +137,29 @@ class Episode:
         self.turn_of += [turn] * len(ids)
         self.versions += [version] * len(ids)
 
+    def add_images(self, images: list, pixels: dict) -> None:
+        """Keep pictures that entered the context, and their pixels ({} for none)."""
+        self.images += images
+        self.pixels += [pixels] if pixels else []
+
+    @property
+    def image_inputs(self) -> dict:
+        """Its pictures' pixels and grids as one dict, in context order ({} without): what a sampler and the
+        trainer's forward take for its row."""
+        return joined(self.pixels)
+
+    def _picture_starts(self) -> list[int]:
+        """Where each picture's tokens start in the response (a run of image tokens starts again at its first
+        token's id, `<|vision_start|>`)."""
+        starts = []
+        for i, (t, k) in enumerate(zip(self.ids, self.kinds)):
+            if k == IMAGE and (i == 0 or self.kinds[i - 1] != IMAGE or t == self.ids[starts[-1]]):
+                starts.append(i)
+        return starts
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "pixels"} | {"pixels": []}
+
     def end(self, reason: str) -> None:
         assert reason in ENDS, reason
         self.stop_reason = reason
@@ -166,8 +201,8 @@ class Episode:
         return pd.DataFrame(rows)
 
     def show(self, tokenizer=None):
-        """The episode as HTML: the prompt, then each token coloured by kind (sampled / tool / template), its
-        log-prob and turn on hover; the turns' stop reasons and errors below."""
+        """The episode as HTML: the prompt, then each token coloured by kind (sampled / tool / template; a picture as
+        its thumbnail), its log-prob and turn on hover; the turns' stop reasons and errors below."""
         from IPython.display import HTML
 
         return HTML(self._repr_html_(tokenizer))
@@ -175,10 +210,20 @@ class Episode:
     def _repr_html_(self, tokenizer=None) -> str:
         if tokenizer is None:
             return f"<pre>{html.escape(repr(self))}</pre>"
-        colours = {"sampled": "#d8f0d8", "tool": "#f6e3c4", "template": "#e4e4e4"}
+        colours = {"sampled": "#d8f0d8", "tool": "#f6e3c4", "template": "#e4e4e4", "image": "#dbe6f6"}
+        starts = self._picture_starts()
+        in_prompt = len(self.images) - len(starts)
+        pictures = dict(zip(starts, self.images[in_prompt:]))
         spans = []
-        for t, k, lp, turn in zip(self.ids, self.kinds, self.logps, self.turn_of):
+        for i, (t, k, lp, turn) in enumerate(zip(self.ids, self.kinds, self.logps, self.turn_of)):
             kind = KINDS[k]
+            if k == IMAGE:  # a picture's tokens: its thumbnail, once
+                if i in pictures:
+                    count = next((j for j in range(i + 1, len(self.ids)) if self.kinds[j] != IMAGE or j in pictures),
+                                 len(self.ids)) - i
+                    spans.append(f'<span title="image, turn {turn}, {count} tokens" style="background:'
+                                 f'{colours[kind]}">{thumbnails([pictures[i]]) or "[image]"}</span>')
+                continue
             tip = f"{kind}, turn {turn}" + (f", logp {lp:.3f}" if k == SAMPLED else "")
             spans.append(f'<span title="{tip}" style="background:{colours[kind]}">'
                          f"{html.escape(readable_decode(tokenizer, [t]))}</span>")
@@ -186,7 +231,8 @@ class Episode:
                         "".join(f"; <i>{html.escape(e)}</i>" for e in t.errors) + "</li>"
                         for i, t in enumerate(self.turns))
         legend = " ".join(f'<span style="background:{c}">{k}</span>' for k, c in colours.items())
-        return (f"<div><pre style='white-space:pre-wrap'>{html.escape(readable_decode(tokenizer, self.prompt_ids))}"
+        shown = thumbnails(self.images[:in_prompt]) or ""  # the prompt's pictures, then its text
+        return (f"<div>{shown}<pre style='white-space:pre-wrap'>{html.escape(readable_decode(tokenizer, self.prompt_ids))}"
                 f"{''.join(spans)}</pre><p>{legend} · ended: {self.stop_reason or 'running'}"
                 f"{'' if self.score is None else f' · score {self.score:.3g}'}</p><ul>{turns}</ul></div>")
 
@@ -205,7 +251,8 @@ def hash62(text: str) -> int:
 
 def to_batch(episodes: list[Episode], group_ids: list[int], completions: list[str], *, pad_token_id: int) -> Batch:
     """The rows of finished, scored episodes (the layout is in the module docstring and `rl.agents`);
-    `completions`: each episode's response as text."""
+    `completions`: each episode's response as text. With pictures, each row's (`images`, shown as thumbnails) and
+    their pixels (`image_inputs`: the prompt's and the tools', in context order)."""
     B, T = len(episodes), max([len(ep.ids) for ep in episodes] + [1])  # a padding column when no episode started
     N = max([len(ep.turns) for ep in episodes] + [1])
 
@@ -244,4 +291,6 @@ def to_batch(episodes: list[Episode], group_ids: list[int], completions: list[st
         "stop_reason": [ep.stop_reason for ep in episodes],
         "reward_error": [ep.reward_error for ep in episodes],
         "episode": list(episodes),
+        **({"images": [list(ep.images) for ep in episodes], "image_inputs": [ep.image_inputs for ep in episodes]}
+           if any(ep.pixels for ep in episodes) else {}),
     }, {"reward_components": components, "agentic": True})

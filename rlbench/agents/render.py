@@ -16,33 +16,39 @@ and name it after that call (a template that renders no `tool_calls` gets the sa
 does not. A template that fails on a conversation (a jinja error) is a ValueError naming the error and the shape
 of the messages.
 
-Without a chat template, messages render plainly as "role: content" lines and "assistant:" for the reply.
+Without a chat template, messages render plainly as "role: content" lines and "assistant:" for the reply (an
+assistant message as "assistant:" and its content, as the sampler drew it after that prompt).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from jinja2 import TemplateError
 
 from rlbench.agents.parsers import Parser, assistant_message, tool_messages
 from rlbench.models.chat import has_chat_template
+from rlbench.models.vision import IMAGE_MARK, Vision
 
 PROBE = "rlbench-probe-3f9a"
 """The assistant content of the reference conversation (text no template writes by itself)."""
 USER = {"role": "user", "content": "hi"}
 """The user turn of the reference conversation."""
-KINDS = ("template", "sampled", "tool")
+KINDS = ("template", "sampled", "tool", "image")
 """What each token of an episode is (its code is the index): written by the chat template, sampled by the
-policy (the only trainable kind), or the content of a tool result / observation."""
+policy (the only trainable kind), the content of a tool result / observation, or a picture's placeholder (a
+vision-language model's image tokens, where a tool's picture goes: never sampled, never trained)."""
 
 
 class Renderer:
-    """A tokenizer's chat template (with the tools declared) as prompt ids and append-only continuations."""
+    """A tokenizer's chat template (with the tools declared) as prompt ids and append-only continuations; with a
+    vision-language model's `vision` (`rl.models.vision.Vision`), pictures at the `<image>` marks of messages."""
 
-    def __init__(self, tokenizer, tools: list[dict] | None = None):
-        self.tokenizer, self.tools = tokenizer, tools or None
+    def __init__(self, tokenizer, tools: list[dict] | None = None, vision: Vision | None = None):
+        self.tokenizer, self.tools, self.vision = tokenizer, tools or None, vision
         reference = self.render([USER, {"role": "assistant", "content": PROBE}], generation_prompt=False)
         self.end_of_turn = reference[reference.rindex(PROBE) + len(PROBE):]
         """What the template writes after an assistant message's content (e.g. "<|im_end|>\\n")."""
@@ -54,9 +60,9 @@ class Renderer:
     def render(self, messages: list[dict], *, generation_prompt: bool) -> str:
         """The conversation as text, whole, ending with the assistant's generation prompt if asked; ValueError
         naming the template's error and the messages' shape when the template fails on them."""
-        if not has_chat_template(self.tokenizer):
-            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if generation_prompt
-                                                                                  else "")
+        if not has_chat_template(self.tokenizer):  # a reply follows "assistant:" as it was sampled after it
+            return "".join(f"{m['role']}:{'' if m['role'] == 'assistant' else ' '}{m['content']}\n"
+                           for m in messages) + ("assistant:" if generation_prompt else "")
         try:
             return self.tokenizer.apply_chat_template(list(messages), tools=self.tools, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
@@ -71,28 +77,54 @@ class Renderer:
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The first context of an episode: its messages and the generation prompt."""
-        return self.encode(self.render(messages, generation_prompt=True))
+        return self.prompt(messages)[0]
 
-    def continuation(self, sampled_text: str, messages: list[dict],
-                     assistant: dict | None = None) -> tuple[list[int], list[int]]:
-        """(token ids, their kinds) to append after an assistant turn that sampled `sampled_text`: the rest of
-        the template's end of turn, `messages` (tool results, observations) and the next generation prompt.
+    def prompt(self, messages: list[dict], images: Sequence = ()) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """(ids, pixels) of an episode's first context with its pictures (an example's `images`), placed as a
+        single-turn prompt's are (`Vision.encode`: at the `<image>` marks, or before the text); pixels {} without.
+        ValueError for pictures to a text-only model, marks that do not pair up with them, typed image markup."""
+        text = self.render(messages, generation_prompt=True)
+        if self.vision is not None:
+            return self.vision.encode(self.tokenizer, text, images)
+        if images:
+            raise ValueError(f"{len(images)} image(s) for a text-only model (no vision tower)")
+        return self.encode(text), {}
+
+    def continuation(self, sampled_text: str, messages: list[dict], assistant: dict | None = None,
+                     images: Sequence[Sequence] = ()) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+        """(token ids, their kinds, pixels) to append after an assistant turn that sampled `sampled_text`: the rest
+        of the template's end of turn, `messages` (tool results, observations) and the next generation prompt.
         `assistant` is the sampled turn as a chat message (`parsers.assistant_message`; default: the text as its
-        content)."""
+        content). `images`: per message, its pictures, one per `<image>` mark of its content (a tool's picture,
+        `rl.models.vision.content_of`); their tokens (kind "image") go at the marks, their pixels are the third value
+        ({} without pictures; in a message without pictures `<image>` is text). ValueError when a message's marks and
+        pictures do not pair up, or, for a vision-language model, when the text holds image markup tokens."""
         if assistant is None or not self.renders_tool_calls:
             assistant = {"role": "assistant", "content": self._without_eos(sampled_text)}
         closing = self.closing(sampled_text, assistant)
         text = closing + self._rendered(assistant, list(messages))
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        spans, start = [], len(closing)
-        for m in messages:  # where each message's content sits in the appended text
-            at = text.find(m["content"], start) if m["content"] else -1
+        spans, marks, start = [], [], len(closing)
+        for m, pictures in zip(messages, list(images) + [()] * (len(messages) - len(images))):
+            at = text.find(m["content"], start) if m["content"] else -1  # where its content sits in the text
             if at >= 0:
                 spans.append((at, at + len(m["content"])))
                 start = at + len(m["content"])
-        kinds = [KINDS.index("tool") if any(a < e and b > s for s, e in spans) else KINDS.index("template")
-                 for a, b in encoded["offset_mapping"]]
-        return list(encoded["input_ids"]), kinds
+            marks += _marks(m["content"], at, pictures)
+        pieces = [text] if not marks else [text[a:b] for a, b in zip([0] + [at + len(IMAGE_MARK) for at in marks],
+                                                                    marks + [len(text)])]
+        pixels = self.vision.pixels([p for pictures in images for p in pictures]) if marks else {}
+        runs = self.vision.image_runs(pixels) if marks else []
+        ids, kinds, offset = [], [], 0
+        for k, piece in enumerate(pieces):
+            encoded = self.tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
+            ids += self.vision.refuse_markup(self.tokenizer, encoded["input_ids"]) if self.vision else encoded["input_ids"]
+            kinds += [KINDS.index("tool") if any(offset + a < e and offset + b > s for s, e in spans)
+                      else KINDS.index("template") for a, b in encoded["offset_mapping"]]
+            if k < len(runs):
+                ids += runs[k]
+                kinds += [KINDS.index("image")] * len(runs[k])
+            offset += len(piece) + len(IMAGE_MARK)
+        return ids, kinds, pixels
 
     def closing(self, sampled_text: str, assistant: dict) -> str:
         """What the template writes after the sampled text of a turn (`assistant`: the turn as a chat message).
@@ -270,6 +302,18 @@ def episode_messages(messages: list[dict], parser: Parser | None) -> list[dict]:
 def shape(messages: list[dict]) -> str:
     """The roles and fields of chat messages, e.g. "[user{content}, assistant{content, tool_calls}]"."""
     return "[" + ", ".join(f"{m.get('role')}{{{', '.join(k for k in m if k != 'role')}}}" for m in messages) + "]"
+
+
+def _marks(content: str, at: int, pictures: Sequence) -> list[int]:
+    """Where the `<image>` marks of a message's content (at `at` in the appended text) are, one per picture;
+    ValueError when they do not pair up. A message without pictures has none (`<image>` in it is text)."""
+    if not pictures:
+        return []
+    found = [at + k for k in range(len(content)) if content.startswith(IMAGE_MARK, k)] if at >= 0 else []
+    if len(found) != len(pictures):
+        raise ValueError(f"a message has {len(found)} {IMAGE_MARK} mark(s) in the template's text and "
+                         f"{len(pictures)} picture(s): each picture needs its own mark")
+    return found
 
 
 def _longest_end_within(text: str, within: str) -> int:

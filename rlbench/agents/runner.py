@@ -21,11 +21,12 @@ from rlbench.agents.episode import SAMPLED, Episode, Turn, hash62, to_batch
 from rlbench.agents.parsers import assistant_message, tool_messages
 from rlbench.agents.render import Renderer, TemplateReport, chat_messages, check_template
 from rlbench.batch import Batch
+from rlbench.models.vision import IMAGE_MARK, IMAGE_TOKENS, Vision, content_of
 
-Sample = Callable[[list[list[int]], list[int], int, bool], Batch]
-"""`sample(contexts, seeds, max_new_tokens, greedy)`: one completion per context (a seed each), as the Sampler
-protocol's Batch (`response_ids`, `response_mask`, `sampler_logp`, `finished`), stopping at EOS or the parser's
-stop tokens."""
+Sample = Callable[[list[list[int]], list[int], int, bool, list[dict] | None], Batch]
+"""`sample(contexts, seeds, max_new_tokens, greedy, images)`: one completion per context (a seed each), as the
+Sampler protocol's Batch (`response_ids`, `response_mask`, `sampler_logp`, `finished`), stopping at EOS or the
+parser's stop tokens; `images`: per context, its pictures' pixels and grids (None when no context has one)."""
 
 POLL_S = 0.05
 """How long the loop waits for tools when no episode can be sampled."""
@@ -61,12 +62,18 @@ class EpisodeRunner:
         for row, (key, example, renderer, (messages, error)) in enumerate(
                 zip(keys, examples, renderers, self.envs.open(keys, examples))):
             seed = hash62(f"{self.seed}/{row}")
+            if error is None:
+                try:
+                    ids, pixels = renderer.prompt(messages, example.get("images") or [])
+                except (OSError, TypeError, ValueError) as bad:  # its pictures: unreadable, or marks that do not pair up
+                    error = f"its first context cannot be encoded: {bad}"
+                    self.envs.close([key])
             if error is not None:  # the prompt, if the example has a usable one, keeps the row trainable-shaped
                 ids = self._prompt_ids(renderer, example)
                 episodes.append(Episode(key, example, None, ids, error=error, greedy=greedy, seed=seed))
                 continue
-            ids = renderer.prompt_ids(messages)
             episode = Episode(key, example, messages, ids, greedy=greedy, seed=seed)
+            episode.add_images(example.get("images") or [], pixels)
             episode.states.append(renderer.render(messages, generation_prompt=True))
             if len(ids) >= self.max_context:
                 episode.end("context_full")
@@ -78,9 +85,10 @@ class EpisodeRunner:
         return pick(self.renderers, self.route, example)
 
     def _prompt_ids(self, renderer: Renderer, example) -> list[int]:
-        """The tokens of the example's prompt, or EOS alone when it has none that renders."""
+        """The tokens of the example's prompt as text (its pictures left out), or EOS alone when it has none that
+        renders."""
         try:
-            return renderer.prompt_ids(chat_messages(example["prompt"]))
+            return renderer.encode(renderer.render(chat_messages(example["prompt"]), generation_prompt=True))
         except (KeyError, TypeError, ValueError):
             return [self.tokenizer.eos_token_id]
 
@@ -93,8 +101,10 @@ class EpisodeRunner:
         live = [(ep, room) for ep, room in zip(episodes, rooms) if room > 0]
         if not live:
             return
+        images = [ep.image_inputs for ep, _ in live]
         out = self.sample_fn([ep.context for ep, _ in live], [self._seed(ep) for ep, _ in live],
-                             min(self.max_new_tokens, max(room for _, room in live)), live[0][0].greedy)
+                             min(self.max_new_tokens, max(room for _, room in live)), live[0][0].greedy,
+                             images if any(images) else None)
         lengths, finished = out["response_mask"].sum(-1).tolist(), out["finished"].tolist()
         for (ep, room), ids, logps, n, done in zip(live, out["response_ids"].tolist(), out["sampler_logp"].tolist(),
                                                    lengths, finished):
@@ -152,17 +162,30 @@ class EpisodeRunner:
             if done:
                 ep.end("env_done")
                 return
-        else:
-            messages = tool_messages(self.parser, turn.calls, [message for message, _ in results]
-                                     + [f"error: {e}" for e in turn.unreadable])
-            turn.errors[:0] = [error for _, error in results if error is not None]
+        renderer = self.renderer_of(ep.example)
+        pictures = []
+        if not self.game:
+            contents, errors = [], []
+            for message, error in [*results, *((f"error: {e}", None) for e in turn.unreadable)]:
+                text, images, problem = _content(message, renderer.vision)
+                contents.append(text)
+                pictures.append(images)
+                errors.append(problem or error)
+            turn.errors[:0] = [e for e in errors[: len(results)] if e is not None]  # (the unreadable's are there)
+            messages = tool_messages(self.parser, turn.calls, contents)
         turn.results = [m["content"] for m in messages]
         sampled = self.tokenizer.decode(ep.ids[len(ep.ids) - _sampled_run(ep):])
-        ids, kinds = self.renderer_of(ep.example).continuation(sampled, messages, ep.messages[-1])
+        try:
+            ids, kinds, pixels = renderer.continuation(sampled, messages, ep.messages[-1], pictures)
+        except ValueError as error:  # text that a vision-language model's tokenizer reads as image markup
+            ep.error = ep.reward_error = f"the context cannot be continued after turn {len(ep.turns) - 1}: {error}"
+            ep.end("error")
+            return
         if len(ep.context) + len(ids) >= self.max_context:
             ep.end("context_full")
             return
         ep.append(ids, kinds, None, self.version)
+        ep.add_images([p for images in pictures for p in images], pixels)
         ep.messages += messages
         ep.states.append("\n".join(m["content"] for m in messages))
 
@@ -316,6 +339,23 @@ class EpisodeHandle:
 
     def __repr__(self) -> str:
         return repr(self.record)
+
+
+def _content(value, vision: Vision | None) -> tuple[str, list, str | None]:
+    """(text, pictures, problem) of what a tool returned (`rl.models.vision.content_of`: a text, a PIL image, or a
+    list of both); a result the model cannot be given becomes an error message, its reason the problem: pictures
+    for a text-only model, a text that writes `<image>` marks of its own beside pictures, and for a vision-language
+    model image markup tokens typed as text (they would stand for pictures the tool did not return)."""
+    text, pictures = content_of(value)
+    if pictures and vision is None:
+        problem = f"the tool returned {len(pictures)} picture(s) and the model is text-only (no vision tower)"
+    elif pictures and text.count(IMAGE_MARK) != len(pictures):
+        problem = f"the tool's text writes the image mark itself beside its {len(pictures)} picture(s)"
+    elif vision is not None and any(token in text for token in IMAGE_TOKENS):
+        problem = "the tool's text holds this model's image markup tokens as text"
+    else:
+        return text, pictures, None
+    return f"error: {problem}", [], problem
 
 
 def _sampled_run(ep: Episode) -> int:

@@ -70,13 +70,22 @@ class Vision:
                              f"image needs its own mark (or none has one: then the images go before the text)")
         if not images:
             return self._text(tokenizer, text), {}
-        pixels = self.processor(images=[load_image(image) for image in images], return_tensors="pt")
-        grid_I_3 = pixels["image_grid_thw"]
+        pixels = self.pixels(images)
         ids = self._text(tokenizer, parts[0])
-        for part, grid in zip(parts[1:], grid_I_3.tolist()):
-            ids += [self.start_id] + [self.image_id] * (grid[0] * grid[1] * grid[2] // self.merge_size**2)
-            ids += [self.end_id] + self._text(tokenizer, part)
-        return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": grid_I_3}
+        for part, run in zip(parts[1:], self.image_runs(pixels)):
+            ids += run + self._text(tokenizer, part)
+        return ids, pixels
+
+    def pixels(self, images: Sequence) -> dict[str, torch.Tensor]:
+        """{"pixel_values", "image_grid_thw"} of images (PIL images, paths or records), as the processor makes them."""
+        pixels = self.processor(images=[load_image(image) for image in images], return_tensors="pt")
+        return {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+
+    def image_runs(self, pixels: dict[str, torch.Tensor]) -> list[list[int]]:
+        """Each image's tokens in a context: `<|vision_start|>`, one `<|image_pad|>` per merged patch of its grid,
+        `<|vision_end|>`."""
+        return [[self.start_id] + [self.image_id] * (t * h * w // self.merge_size**2) + [self.end_id]
+                for t, h, w in pixels["image_grid_thw"].tolist()]
 
     def prompt_tokens(self, tokenizer, text: str, images: Sequence) -> int:
         """How many tokens `encode` gives the prompt, without processing a pixel: its text's, and each image's from
@@ -94,13 +103,16 @@ class Vision:
         return self.processor.get_number_of_image_patches(height, width, {}) // self.merge_size**2 + 2
 
     def _text(self, tokenizer, text: str) -> list[int]:
-        """The ids of a stretch of text; ValueError where the tokenizer reads an image token in it (a tokenizer
-        that parses special tokens in text, as Qwen's does, would take typed "<|image_pad|>" for an image slot)."""
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        """The ids of a stretch of text; ValueError where the tokenizer reads an image token in it (`refuse_markup`)."""
+        return self.refuse_markup(tokenizer, tokenizer.encode(text, add_special_tokens=False))
+
+    def refuse_markup(self, tokenizer, ids: list[int]) -> list[int]:
+        """`ids`, tokens of text; ValueError where they hold an image token (a tokenizer that parses special tokens
+        in text, as Qwen's does, would take typed "<|image_pad|>" for an image slot that has no pixels)."""
         typed = sorted({tokenizer.convert_ids_to_tokens(i) for i in ids if i in (self.start_id, self.image_id,
                                                                                   self.end_id)})
         if typed:
-            raise ValueError(f"the prompt's text holds {', '.join(typed)} as typed text, which this tokenizer reads as "
+            raise ValueError(f"the text holds {', '.join(typed)} as typed text, which this tokenizer reads as "
                              f"image markup: mark an image's place with {IMAGE_MARK} instead")
         return ids
 
@@ -161,13 +173,40 @@ def forward_inputs(model, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor,
 def image_inputs(model, ids_B_T: torch.Tensor, images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The pixels and grids of `images` (`Vision.encode`'s dicts, empty ones skipped), in the order their image tokens
     come in `ids_B_T` read row by row, and `mm_token_type_ids` (1 at the image tokens); {} without images."""
-    given = [entry for entry in images if entry]
-    if not given:
+    pixels = joined(images)
+    if not pixels:
         return {}
-    grid_I_3 = torch.cat([entry["image_grid_thw"] for entry in given]).to(ids_B_T.device)
-    pixels = torch.cat([entry["pixel_values"] for entry in given]).to(ids_B_T.device, model.dtype)
-    return {"pixel_values": pixels, "image_grid_thw": grid_I_3,
+    return {"pixel_values": pixels["pixel_values"].to(ids_B_T.device, model.dtype),
+            "image_grid_thw": pixels["image_grid_thw"].to(ids_B_T.device),
             "mm_token_type_ids": (ids_B_T == model.config.image_token_id).int()}
+
+
+def joined(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One context's pictures as one dict (`Vision.encode`'s, empty ones skipped) in their order: what a sampler and
+    the trainer take per row. {} without any."""
+    given = [entry for entry in images if entry]
+    if len(given) <= 1:
+        return given[0] if given else {}
+    return {key: torch.cat([entry[key] for entry in given]) for key in ("pixel_values", "image_grid_thw")}
+
+
+def content_of(value) -> tuple[str, list]:
+    """(text, pictures) of a message's value: a text as it is; a PIL image as an `<image>` mark and the image; a list
+    or tuple of texts and PIL images as its texts joined, each image's place marked `<image>`. Anything else: its
+    `str`."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return IMAGE_MARK, [value]
+    if isinstance(value, (list, tuple)) and any(isinstance(item, Image.Image) for item in value):
+        images = [item for item in value if isinstance(item, Image.Image)]
+        return "".join(IMAGE_MARK if isinstance(item, Image.Image) else str(item) for item in value), images
+    return str(value), []
+
+
+def has_pictures(value) -> bool:
+    """Whether a message's value holds PIL images (`content_of`)."""
+    return bool(content_of(value)[1]) if not isinstance(value, str) else False
 
 
 def same_images(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

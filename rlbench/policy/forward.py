@@ -71,6 +71,10 @@ def response_outputs(model, batch: Batch, attention: str = "auto",
         raise ValueError(f"attention='packed' needs an attention implementation that honours a 4-D mask "
                          f"({' or '.join(MASKED_ATTENTION)}); this model uses {implementation!r}, which would "
                          f"ignore it (every token would see the other samples): use attention='per_sample'")
+    if attention == "packed" and images_in_responses(model, batch):
+        raise ValueError("attention='packed' lays out each group's pictures once, before its responses, and these "
+                         "responses hold pictures of their own (an episode's tools returned them): use "
+                         "attention='per_sample' or 'auto'")
     if attention == "per_sample" or (attention == "auto" and not packing_pays(model, batch)):
         return _per_sample_outputs(model, batch, head)
     return _packed_outputs(model, batch, head)
@@ -82,7 +86,8 @@ def packing_pays(model, batch: Batch) -> bool:
     tokens + query-key pairs / (`PAIRS_PER_TOKEN` x hidden size) (see there). Packed: its slots times W;
     per-sample: B rows of the longest row's length L, B·L² pairs. Packing wins where a long prompt is
     shared by short responses, and loses as responses grow (W grows with a group's summed responses)."""
-    if model.config._attn_implementation not in MASKED_ATTENTION or packed_mask_bytes(batch) > PACKED_MASK_BYTES:
+    if model.config._attn_implementation not in MASKED_ATTENTION or packed_mask_bytes(batch) > PACKED_MASK_BYTES \
+            or images_in_responses(model, batch):
         return False
     slots, W = _packed_size(batch)
     L = int((batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).max())
@@ -190,6 +195,16 @@ def _per_sample_outputs(model, batch: Batch, head=None) -> torch.Tensor:
     return _outputs_at(model, row_B_1 * L + predictor_B_T, head, input_ids=ids_B_L, **images)
 
 
+def images_in_responses(model, batch: Batch) -> bool:
+    """Whether some row's response holds image tokens (an episode whose tools returned pictures: they stand in its
+    context, never sampled): such rows take the per-sample layout."""
+    never = never_sampled(model)
+    if not never or not has_images(batch):
+        return False
+    ids = batch["response_ids"][batch["response_mask"].bool()]
+    return bool(torch.isin(ids, torch.tensor(never, device=ids.device)).any())
+
+
 def has_images(batch: Batch) -> bool:
     """Whether some row of `batch` has images (its `image_inputs` column: per row, the prompt's pixels and grids)."""
     return "image_inputs" in batch and any(batch["image_inputs"])
@@ -239,6 +254,17 @@ def response_stats(model, batch: Batch, *, temperature: float, chunk_tokens: int
                           else _head_stats(*args))
         return torch.cat(chunks)
     return response_outputs(model, batch, attention, head=head)
+
+
+def drawn_logp(model, logp_B_T: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
+    """`logp_B_T` with 0 at tokens the policy never draws (`rl.models.vision.never_sampled`: in a response, the
+    image tokens of a tool's picture, never sampled and never trained), as the sampler's log-prob is 0 at every token
+    it did not draw. Their log-prob is about `NEVER_LOGIT`, and the exp of a difference with it would be inf (inf x
+    a loss mask's 0 is NaN)."""
+    never = never_sampled(model)
+    if not never:
+        return logp_B_T
+    return logp_B_T.masked_fill(torch.isin(ids_B_T, torch.tensor(never, device=ids_B_T.device)), 0.0)
 
 
 def _never_drawn(model, bias_V: torch.Tensor | None, weight_V_H: torch.Tensor) -> torch.Tensor | None:
@@ -446,11 +472,13 @@ def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: i
         if chunk_tokens and not topk:
             stats_B_T_S = response_stats(model, micro, temperature=temperature, chunk_tokens=chunk_tokens,
                                          attention=attention, sum_pi2=sum_pi2)
-            return stats_B_T_S[..., [0, 2]] if sum_pi2 else stats_B_T_S[..., 0]
+            logp_B_T = drawn_logp(model, stats_B_T_S[..., 0], micro["response_ids"])
+            return torch.stack([logp_B_T, stats_B_T_S[..., 2]], -1) if sum_pi2 else logp_B_T
         logits_B_T_V = response_logits(model, micro, temperature, attention)
         if sum_pi2:
-            return torch.stack(token_logp_and_sum_pi2(logits_B_T_V, micro["response_ids"]), -1)
-        logp_B_T = token_logp(logits_B_T_V, micro["response_ids"])
+            logp_B_T, pi2_B_T = token_logp_and_sum_pi2(logits_B_T_V, micro["response_ids"])
+            return torch.stack([drawn_logp(model, logp_B_T, micro["response_ids"]), pi2_B_T], -1)
+        logp_B_T = drawn_logp(model, token_logp(logits_B_T_V, micro["response_ids"]), micro["response_ids"])
         if topk:
             topk_logp_B_T_K, ids_B_T_K = teacher_topk(logits_B_T_V, topk, vocab)
             return torch.cat([logp_B_T[..., None], topk_logp_B_T_K, ids_B_T_K.float()], -1)

@@ -21,7 +21,7 @@ from rlbench.batch import Batch
 from rlbench.models import lora as lora_adapters
 from rlbench.models.vision import vision_tower
 from rlbench.policy import checkpoint
-from rlbench.policy.forward import (batch_logp, chunk_tokens_for, rank_micro_batches, response_logits,
+from rlbench.policy.forward import (batch_logp, chunk_tokens_for, drawn_logp, rank_micro_batches, response_logits,
                                    response_stats)
 from rlbench.policy.training import (
     Optimizer,
@@ -152,6 +152,7 @@ class Policy:
         if not chunked:
             entropy_B_T = alg.entropy_from_logits(logits_B_T_V)
             logp_B_T = alg.token_logp(logits_B_T_V, micro["response_ids"])
+        logp_B_T = drawn_logp(self.model, logp_B_T, micro["response_ids"])
         if "old_logp" not in micro:  # Config.on_policy_old_logp: these weights sampled the batch, old_logp is this forward's
             old_logp_B_T = logp_B_T.detach()
             mismatch = alg.mismatch_metrics(old_logp_B_T, micro["sampler_logp"], loss_mask(micro))

@@ -58,6 +58,7 @@ def prepare(cfg: Config, algorithm: Algorithm, task):
         raise ValueError(f"freeze_vision=True, but model {cfg.model!r} has no vision tower (its config.json has no "
                          f"vision_config)")
     if isinstance(task, tasks.AgentTask):  # first turns come from the environment: their length is per turn
+        tasks.check_pictures(task, takes_images=models.vision.has_vision(model_dir))
         models.check_fits(model_dir, tokenizer, max_prompt_tokens=None, max_new_tokens=cfg.max_new_tokens)
         return task, model_dir, tokenizer
     tasks.check_prompts(task, takes_images=models.vision.has_vision(model_dir))
@@ -72,13 +73,11 @@ def prepare(cfg: Config, algorithm: Algorithm, task):
 
 
 def check_images(cfg: Config, task) -> None:
-    """ValueError for a task with images on a path that does not take them yet: agentic episodes, the vLLM
-    sampler, a sampler object (the HF sampler's decode takes them)."""
+    """ValueError for a task with images on a sampler that does not take them yet: the vLLM sampler (the HF
+    sampler's decode takes them; a sampler object whose `generate` has no `images=` is refused at its first call)."""
     if not tasks.has_images(task):
         return
     name = getattr(task, "name", task)
-    if isinstance(task, tasks.AgentTask):
-        raise ValueError(f"task {name!r} has images: agentic episodes do not take images yet")
     if cfg.sampler == "vllm":
         raise ValueError(f"task {name!r} has images: the vllm sampler does not take them yet (use sampler='hf')")
 

@@ -22,14 +22,14 @@ from rlbench.tasks.arithmetic import Arithmetic
 from rlbench.tasks.base import Task
 from rlbench.tasks.data import (DataTask, check_row, convert_files, convert_main, from_jsonl, from_parquet, read_records,
                                 read_rows, shuffled, split, write_rows)
-from rlbench.tasks.prompts import check_prompts, has_images, limit_prompt_tokens, longest_prompt_tokens, prompt_tokens
+from rlbench.tasks.prompts import check_pictures, check_prompts, has_images, limit_prompt_tokens, longest_prompt_tokens, prompt_tokens
 from rlbench.tasks.shapes import Shapes
 from rlbench.tasks.synthetic import Countdown, ListTask, Multiplication, Reverse, Sort
 from rlbench.tasks import tool_math
 
 __all__ = [
     "AgentTask", "Arithmetic", "Countdown", "DataTask", "ListTask", "Multiplication", "Reverse", "Shapes", "Sort", "Task", "check_row",
-    "check_prompts", "convert_files", "convert_main", "encode_prompt", "factory", "fingerprint", "from_jsonl", "from_parquet", "get", "has_images", "limit_prompt_tokens", "longest_prompt_tokens", "names",
+    "check_pictures", "check_prompts", "convert_files", "convert_main", "encode_prompt", "factory", "fingerprint", "from_jsonl", "from_parquet", "get", "has_images", "limit_prompt_tokens", "longest_prompt_tokens", "names",
     "prompt_tokens", "read_records", "read_rows", "render_prompt", "settings_of", "shuffled", "split", "write_rows",
 ]
 

@@ -67,10 +67,34 @@ def check_prompts(task: Task, *, takes_images: bool = False) -> None:
                 raise ValueError(f"{split_name} example {i} of task {task.name!r}{origin}: {error}") from None
 
 
+def check_pictures(task: Task, *, takes_images: bool) -> None:
+    """ValueError naming the split and position of the first example whose `images` cannot reach the model (a
+    text-only one; a file that is not there or no picture): for an agentic task, whose first messages come from its
+    environment (their `<image>` marks are paired with the pictures when an episode starts)."""
+    for split_name in ("train", "test"):
+        for i, example in enumerate(getattr(task, split_name)):
+            if isinstance(example, dict) and example.get("images"):
+                try:
+                    _check_pictures(example["images"], takes_images)
+                except ValueError as error:
+                    raise ValueError(f"{split_name} example {i} of task {task.name!r}{_origin(example)}: "
+                                     f"{error}") from None
+
+
 def _check_images(example: dict, messages: list[dict] | None, takes_images: bool) -> None:
     """ValueError if the example's images cannot reach the model: a text-only one (never trained as text alone,
     silently), or `<image>` marks that do not pair up with the images (`rl.models.vision.Vision.encode`)."""
     images = example["images"]
+    _check_pictures(images, takes_images)
+    text = example["prompt"] if messages is None else "".join(str(m.get("content", "")) for m in messages)
+    marks = text.count(IMAGE_MARK)
+    if marks not in (0, len(images)):
+        raise ValueError(f"its prompt has {marks} {IMAGE_MARK} mark(s) and {len(images)} image(s): each image "
+                         f"needs its own mark (or none has one: then the images go before the text)")
+
+
+def _check_pictures(images: list, takes_images: bool) -> None:
+    """ValueError for pictures a text-only model would get, or a file that is not there or is no picture."""
     if not takes_images:
         raise ValueError(f"it has {len(images)} image(s) ('images') and the model is text-only (no vision tower): "
                          f"use a vision-language model (e.g. model='tiny-vl'), or drop the images")
@@ -82,11 +106,6 @@ def _check_images(example: dict, messages: list[dict] | None, takes_images: bool
             image_size(image)  # its header: the pixels are read at the rollout
         except (OSError, TypeError) as error:
             raise ValueError(f"its image {str(path)[:80]!r} cannot be read: {error}") from None
-    text = example["prompt"] if messages is None else "".join(str(m.get("content", "")) for m in messages)
-    marks = text.count(IMAGE_MARK)
-    if marks not in (0, len(images)):
-        raise ValueError(f"its prompt has {marks} {IMAGE_MARK} mark(s) and {len(images)} image(s): each image "
-                         f"needs its own mark (or none has one: then the images go before the text)")
 
 
 def has_images(task: Task) -> bool:

@@ -289,13 +289,14 @@ def _episode_runner(cfg: Config, task, model_dir: str, tokenizer, sampler: Sampl
         stops += ids if len(ids) == 1 else []
     info = envs.info()
 
-    def sample(contexts, seeds, max_new_tokens, greedy):
+    def sample(contexts, seeds, max_new_tokens, greedy, images):
         params = SamplingParams.of(cfg, greedy=greedy, max_new_tokens=max_new_tokens, seeds=tuple(seeds),
                                    stop_token_ids=tuple(stops), keep_cache=True)  # the next turn continues this context
-        return sampler.generate_ids(contexts, params)
+        return sampler.generate_ids(contexts, params, images)
 
     context = task.max_context_tokens or models.prompt_room(model_dir, 0) or cfg.max_new_tokens * task.max_turns * 4
-    renderers = {name: Renderer(tokenizer, schemas) for name, schemas in info["schemas"].items()}
+    renderers = {name: Renderer(tokenizer, schemas, sampler.vision)  # (vision: pictures in prompts and tools' results)
+                 for name, schemas in info["schemas"].items()}
     return EpisodeRunner(sample, renderers, parser, envs, tokenizer, max_turns=task.max_turns,
                          max_new_tokens=cfg.max_new_tokens, max_context=context, game=info["game"],
                          route=info["route"])

@@ -325,10 +325,12 @@ class SamplerHandle:
             group_ids=torch.tensor(rows), prompt_ids=ids_B_P, prompt_mask=mask_B_P,
             example=[examples[i] for i in rows], **more)
 
-    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
+    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
+                     images: Sequence[dict] | None = None) -> Batch:
         """The sampler's own output for token-id prompts (`rl.samplers.Sampler.generate`): `response_ids`,
-        `response_mask`, `sampler_logp`, `finished`, prompt-major."""
-        return self._call(_sampler_generate, prompt_ids, params)
+        `response_mask`, `sampler_logp`, `finished`, prompt-major; `images`: per prompt, the pixels and grids of the
+        pictures its ids hold (None: none has any)."""
+        return self._call(_sampler_generate, prompt_ids, params, images)
 
     def encode_prompt(self, prompt) -> list[int]:
         """Token ids of a prompt (`rl.tasks.encode_prompt`): chat template if the tokenizer has one, else plain text."""
