@@ -14,6 +14,8 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
+import torch
+from floats import assert_close
 
 import rlbench as rl
 
@@ -231,13 +233,22 @@ def test_07_teaches_tiny_vl_to_answer_what_it_sees_with_its_own_settings(kernel_
     """07 as a reader runs it (GRPO with the settings a user types, a step by hand and 150 more; about a minute):
     held-out greedy accuracy starts in the warm start's band and rises by at least 0.15 (measured 0.32 -> 0.55), and
     with the pictures blanked the trained model answers almost nothing right (measured 0.0); the group and the
-    pictures show."""
+    pictures show. The zoom episodes: the tool's picture in each response as 18 untrained image tokens, shown as a
+    thumbnail; the trainer's log-probs on the model's turns are the sampler's (1e-5); the model, never taught tools,
+    writes fragments after the tool's answer, hardly ever right (what the closing prose says)."""
     nb, got = claims(NOTEBOOKS[0].parent / "07_vision.ipynb", kernel_dirs, tmp_path, report=(
         '{"before": before, "after": after, "blind": blind, "steps": len(s.metrics), "lr": s.config.lr, '
-        '"group": len(group), "thumbnails": batch._repr_html_().count("<img ")}'))
+        '"group": len(group), "thumbnails": batch._repr_html_().count("<img "), "trainer": trainer.tolist(), '
+        '"sampler": sampler.tolist(), '
+        '"image_tokens": int((kinds == rl.agents.KINDS.index("image")).sum()), "rows": len(episodes), '
+        '"shown": ep._repr_html_().count("<img "), "answers": sorted({e.final_text for e in episodes["episode"]}), '
+        '"zoom_score": float(episodes["score"].mean())}'))
     assert 0.30 <= got["before"] <= 0.40 and got["after"] >= got["before"] + 0.15, got
     assert got["blind"] < 0.05 and got["steps"] == 150 and got["lr"] == 3e-4, got
     assert got["group"] == 8 and got["thumbnails"] > 0, got
+    assert got["image_tokens"] == 18 * got["rows"] == 18 * 32 and got["shown"] == 2, got
+    assert_close(torch.tensor(got["trainer"]), torch.tensor(got["sampler"]), atol=1e-5)  # the text bound
+    assert got["zoom_score"] <= 0.1 and len(got["answers"]) > 1, got  # measured: 0.0, eight different fragments
     printed = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
     assert f"{got['before']:.3f} before, {got['after']:.3f} after the step by hand and 150 more" in printed
     assert "lr=0.0003 (the task's)" in printed
