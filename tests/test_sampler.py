@@ -117,6 +117,28 @@ def test_each_row_draws_what_it_would_draw_alone(tiny, decoder):
         assert bool(out["finished"][b]) == (context[-1] == tokenizer.eos_token_id)
 
 
+@pytest.mark.parametrize("decoder", [CompactDecoder, TransformersDecoder])
+def test_a_prompt_given_twice_is_prefilled_once_and_draws_as_alone(tiny, decoder, monkeypatch):
+    """The same prompt given several times (an agentic step's first turns: one episode each, a seed each) takes one
+    decoder row at the prefill, and each copy still draws exactly what it draws alone with its seed."""
+    model, tokenizer = tiny
+    sampler = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    sampler.decoder = decoder(model)
+    a, b = encode(tokenizer, PROMPTS[:2])
+    prompts, seeds = [a, b, a, a, b], (11, 12, 13, 14, 15)
+    prefilled = []
+    start = sampler.decoder.start
+    monkeypatch.setattr(sampler.decoder, "start", lambda ids, *args, **kw: prefilled.append(len(ids)) or start(
+        ids, *args, **kw))
+    together = sampler.generate(prompts, SamplingParams(max_new_tokens=8, seeds=seeds))
+    assert prefilled == [2]
+    for row, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        alone = sampler.generate([prompt], SamplingParams(max_new_tokens=8, seeds=(seed,)))
+        n = int(alone["response_mask"].sum())
+        assert together["response_ids"][row, :n].tolist() == alone["response_ids"][0, :n].tolist(), row
+        assert_close(together["sampler_logp"][row, :n], alone["sampler_logp"][0, :n])
+
+
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [0, 1], [0, 2, 3], [1, 3], [0, 0, 2, 1]],
                          ids=["same", "last-left-out", "one-left-out", "two-left-out", "branching"])
 def test_keep_goes_on_with_the_kept_rows_copying_only_to_branch(tiny, rows):

@@ -91,10 +91,15 @@ class HFSampler:
                 device=device).manual_seed(seed)) for seed in params.seeds]) if B else torch.empty(0, T, device=device)
         tokens_B_T = torch.full((B, T), self.pad_token_id, dtype=torch.long, device=device)
         logp_B_T = torch.zeros((B, T), device=device)
+        prompts = [[int(i) for i in ids] for ids in prompt_ids]
+        # the same prompt given twice (an agentic step's first turns: an episode each) is prefilled once, one decoder
+        # row shared by its rows until they draw different tokens; prompts with pictures are kept apart
+        distinct, decoder_row_P = _distinct(prompts) if images is None or not any(images) else (
+            list(range(len(prompts))), list(range(len(prompts))))
         rows_b = torch.arange(B, device=device)  # the rows still drawing ...
-        context_b = rows_b // params.n  # ... and the decoder row that holds each one's context
-        prompts = [[int(i) for i in ids] for ids in prompt_ids] if keep else None
-        logits_c_V = self._start(prompt_ids, T, prompts, images)
+        context_b = torch.tensor(decoder_row_P, device=device)[rows_b // params.n]  # ... their context's decoder row
+        logits_c_V = self._start([prompts[p] for p in distinct], T, [prompts[p] for p in distinct] if keep else None,
+                                 images and [images[p] for p in distinct])
         stopped = []  # (row, step, K/V) of each decoder row whose context ended with a stop token
         V = logits_c_V.shape[-1]
         for t in range(T):
@@ -256,6 +261,16 @@ class TransformersDecoder:
         return self.model(input_ids=token_N[:, None], attention_mask=self.attention_N_L,
                           position_ids=self.position_N[:, None], past_key_values=self.cache,
                           use_cache=True).logits[:, -1]
+
+
+def _distinct(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(the index of each distinct prompt's first occurrence, each prompt's index among the distinct ones)."""
+    seen: dict[tuple[int, ...], int] = {}
+    index = [seen.setdefault(tuple(ids), len(seen)) for ids in prompts]
+    first = {}
+    for p, d in enumerate(index):
+        first.setdefault(d, p)
+    return [first[d] for d in range(len(seen))], index
 
 
 def sample_next(logits_B_V: torch.Tensor, params: SamplingParams,
