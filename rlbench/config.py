@@ -100,7 +100,8 @@ class Config:
     epochs_per_step: int = 1
     """Passes over one step's batch (PPO epochs)."""
     micro_batch_tokens: int = 4096
-    """Most tokens (rows x padded length) in one forward/backward; gradients accumulate across them."""
+    """Most tokens in one forward/backward (rows x padded length; in the packed layout, each group's prompt once
+    plus its rows' response tokens); gradients accumulate across them."""
     precision: str = "fp32"
     """"fp32", or "bf16": the policy's forwards and backwards under bfloat16 autocast (weights, gradients,
     AdamW state, log-probs and losses stay fp32) and the hf sampler's weights in bfloat16. Several times

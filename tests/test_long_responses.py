@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 import rlbench as rl
 from rlbench.batch import Batch, left_pad
 from rlbench.policy import Critic, Policy, response_logits, response_outputs
-from rlbench.policy.forward import (LOGIT_CHUNK_TOKENS, PACKED_MASK_BYTES, chunk_tokens_for, packed_mask_bytes,
-                                    packing_pays, response_stats)
+from rlbench.policy.forward import (LOGIT_CHUNK_TOKENS, PACKED_MASK_BYTES, chunk_tokens_for, micro_batches,
+                                    packed_mask_bytes, packing_pays, response_stats)
 from rlbench.policy.training import OptimSettings
 
 GRPO = rl.algorithms.get("grpo").replace(kl_coef=0.0)
@@ -260,3 +260,20 @@ def test_logit_chunks_auto_turn_on_where_a_micro_batchs_logits_pass_a_gibibyte()
     assert chunk_tokens_for(0, 32768, 151936) == 0 and chunk_tokens_for(512, 64, 259) == 512
     with pytest.raises(ValueError, match="logit_chunk_tokens=-1"):
         chunk_tokens_for(-1, 4096, 259)
+
+
+def test_packed_micro_batches_count_what_the_packed_layout_holds(tiny_dir):
+    """Micro-batches laid out packed are cut by the tokens that layout holds (each group's prompt once, then its
+    responses), not by rows x padded length: two groups of 8 short answers to a 100-token prompt (180 tokens each,
+    880 padded) fit one 400-token micro-batch; per sample they take six. Cut by the packed count, rows whose
+    packed layout would not pay are cut again by the padded count; the log-probs are the same either way."""
+    model = rl.models.load(tiny_dir)[0]
+    batch = grouped_batch([list(range(5, 105)), list(range(7, 107))], [[10] * 8, [10] * 8], shared=0)
+    assert [len(m) for m in micro_batches(batch, 400)] == [3, 3, 3, 3, 3, 1]
+    assert [len(m) for m in micro_batches(batch, 400, packs=lambda micro: True)] == [16]
+    assert [len(m) for m in micro_batches(batch, 400, packs=lambda micro: len(micro) < 16)] == [3, 3, 3, 3, 3, 1]
+    assert [len(m) for m in micro_batches(batch, 100 + 8 * 10, packs=lambda micro: True)] == [8, 8]
+    assert packing_pays(model, batch)
+    logp = {attention: Policy(tiny_dir, OptimSettings(lr=1e-3), micro_batch_tokens=400, attention=attention)
+            .log_probs(batch) for attention in ("auto", "per_sample")}  # one packed micro-batch; six per sample
+    assert_close(logp["auto"], logp["per_sample"])

@@ -9,7 +9,7 @@ from rlbench import algorithms as alg
 from rlbench import models
 from rlbench.batch import Batch
 from rlbench.policy import checkpoint
-from rlbench.policy.forward import batch_outputs, rank_micro_batches, response_outputs
+from rlbench.policy.forward import batch_outputs, packs, rank_micro_batches, response_outputs
 from rlbench.policy.fsdp import loss_mask
 from rlbench.policy.training import OptimSettings, Optimizer, backward, init_process_group, shard
 
@@ -42,14 +42,16 @@ class Critic:
     def values(self, batch: Batch) -> torch.Tensor:
         """Values `[B, T]` of the batch's response positions (0 on padding)."""
         return batch_outputs(lambda micro: response_outputs(self.model, micro, self.attention)[..., 0], batch,
-                             micro_batch_tokens=self.micro_batch_tokens, world_size=self.world_size, device=self.device)
+                             micro_batch_tokens=self.micro_batch_tokens, world_size=self.world_size, device=self.device,
+                             packs=packs(self.model, self.attention))
 
     def train_mini_batch(self, mini: Batch, *, mode: str, num_tokens: int, num_seqs: int,
                          norm_length: int) -> dict[str, float]:
         """One optimizer step of the clipped value loss on `returns`, reduced with the mini-batch's counts."""
         self.optimizer.zero_grad()
         sums: dict[str, float] = {}
-        for micro in rank_micro_batches(mini, self.micro_batch_tokens, self.world_size):
+        layout = packs(self.model, self.attention)
+        for micro in rank_micro_batches(mini, self.micro_batch_tokens, self.world_size, layout):
             micro = micro.trimmed().to(self.device)
             mask_B_T = loss_mask(micro)
             loss, metrics = alg.value_loss(response_outputs(self.model, micro, self.attention)[..., 0], micro["values"],

@@ -483,17 +483,18 @@ def batch_logp(model, batch: Batch, *, temperature: float, micro_batch_tokens: i
             topk_logp_B_T_K, ids_B_T_K = teacher_topk(logits_B_T_V, topk, vocab)
             return torch.cat([logp_B_T[..., None], topk_logp_B_T_K, ids_B_T_K.float()], -1)
         return logp_B_T
-    return batch_outputs(logp, batch, micro_batch_tokens=micro_batch_tokens, world_size=world_size, device=device)
+    return batch_outputs(logp, batch, micro_batch_tokens=micro_batch_tokens, world_size=world_size, device=device,
+                         packs=packs(model, attention))
 
 
 @torch.no_grad()
 def batch_outputs(fn: Callable[[Batch], torch.Tensor], batch: Batch, *, micro_batch_tokens: int, world_size: int = 1,
-                  device: str | torch.device = "cpu") -> torch.Tensor:
+                  device: str | torch.device = "cpu", packs: Callable[[Batch], bool] | None = None) -> torch.Tensor:
     """`fn(micro)` (`[b, t]` per response token, or `[b, t, k]`) over the batch's micro-batches, assembled into
     `[B, T]` (`[B, T, k]`) on CPU in fp32, 0 on padding: the one no-grad pass the policy's log-probs and the
     critic's values share."""
     out_B_T, start = None, 0
-    for micro in rank_micro_batches(batch, micro_batch_tokens, world_size):
+    for micro in rank_micro_batches(batch, micro_batch_tokens, world_size, packs):
         micro = micro.trimmed().to(device)
         part_b_t = fn(micro)
         if out_B_T is None:
@@ -506,32 +507,57 @@ def batch_outputs(fn: Callable[[Batch], torch.Tensor], batch: Batch, *, micro_ba
     return out_B_T * mask_B_T.reshape(*mask_B_T.shape, *[1] * (out_B_T.dim() - 2))
 
 
-def micro_batches(batch: Batch, micro_batch_tokens: int) -> list[Batch]:
-    """Consecutive rows packed so that rows x padded length stays within `micro_batch_tokens`.
+def micro_batches(batch: Batch, micro_batch_tokens: int, packs: Callable[[Batch], bool] | None = None) -> list[Batch]:
+    """Consecutive rows whose forward holds at most `micro_batch_tokens` tokens: rows x padded length; or, where
+    `packs(rows)` says they are laid out packed (`packing_pays`), each group's prompt once plus its rows' response
+    tokens (what the packed layout holds at most: shared response prefixes take fewer). Rows cut by that count whose
+    packed layout would not pay are cut again by the padded count.
 
     A single row longer than the budget gets a micro-batch of its own.
     """
+    if packs is None:
+        return _cut(batch, micro_batch_tokens, packed=False)
+    chunks = []
+    for chunk in _cut(batch, micro_batch_tokens, packed=True):
+        chunks += [chunk] if len(chunk) == 1 or packs(chunk) else _cut(chunk, micro_batch_tokens, packed=False)
+    return chunks
+
+
+def _cut(batch: Batch, budget: int, packed: bool) -> list[Batch]:
+    """`micro_batches` by one count: padded (rows x the longest prompt plus the longest response) or packed (each
+    group's prompt once, every response token)."""
     prompt_len = batch["prompt_mask"].sum(-1).tolist()
     response_len = batch["response_mask"].sum(-1).tolist()
-    chunks, start, widest_p, widest_r = [], 0, 0, 0
+    new_group = _new_groups(batch).tolist() if packed and len(batch) else []
+    chunks, start, widest_p, widest_r, slots = [], 0, 0, 0, 0
     for i, (p, r) in enumerate(zip(prompt_len, response_len)):
         wp, wr = max(widest_p, p), max(widest_r, r)
-        if i > start and (i - start + 1) * (wp + wr) > micro_batch_tokens:
+        grown = slots + r + (p if i == start or new_group[i] else 0) if packed else (i - start + 1) * (wp + wr)
+        if i > start and grown > budget:
             chunks.append(batch[start:i])
-            start, wp, wr = i, p, r
-        widest_p, widest_r = wp, wr
+            start, wp, wr, grown = i, p, r, p + r
+        widest_p, widest_r, slots = wp, wr, grown
     if len(batch):
         chunks.append(batch[start:])
     return chunks
 
 
-def rank_micro_batches(batch: Batch, micro_batch_tokens: int, world_size: int = 1) -> list[Batch]:
+def packs(model, attention: str) -> Callable[[Batch], bool] | None:
+    """Whether `response_outputs` lays a micro-batch out packed under `attention` (`micro_batches`' `packs`), or None
+    when it never does."""
+    if attention == "per_sample":
+        return None
+    return lambda micro: attention == "packed" or packing_pays(model, micro)
+
+
+def rank_micro_batches(batch: Batch, micro_batch_tokens: int, world_size: int = 1,
+                       packs: Callable[[Batch], bool] | None = None) -> list[Batch]:
     """`micro_batches`, with the same count on every rank of the process group.
 
     FSDP2 gathers parameters collectively at every forward, so all ranks must run the same number of
     forwards: a rank that needs fewer micro-batches than the busiest one splits its rows more finely.
     """
-    chunks = micro_batches(batch, micro_batch_tokens)
+    chunks = micro_batches(batch, micro_batch_tokens, packs)
     if world_size == 1:
         return chunks
     count = torch.tensor([len(chunks)], device="cuda" if dist.get_backend() == "nccl" else "cpu")

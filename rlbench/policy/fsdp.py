@@ -21,8 +21,8 @@ from rlbench.batch import Batch
 from rlbench.models import lora as lora_adapters
 from rlbench.models.vision import vision_tower
 from rlbench.policy import checkpoint
-from rlbench.policy.forward import (batch_logp, chunk_tokens_for, drawn_logp, rank_micro_batches, response_logits,
-                                   response_stats)
+from rlbench.policy.forward import (batch_logp, chunk_tokens_for, drawn_logp, packs, rank_micro_batches,
+                                   response_logits, response_stats)
 from rlbench.policy.training import (
     Optimizer,
     OptimSettings,
@@ -104,7 +104,8 @@ class Policy:
         exactly the mini-batch gradient. Returns the loss terms (summed) and metrics (token-weighted).
         """
         sums: dict[str, float] = {}
-        for micro in rank_micro_batches(batch, self.micro_batch_tokens, self.world_size):
+        layout = packs(self.model, self.attention)
+        for micro in rank_micro_batches(batch, self.micro_batch_tokens, self.world_size, layout):
             micro = micro.trimmed().to(self.device)
             terms = self._micro_loss(micro, algorithm, num_tokens=num_tokens, num_seqs=num_seqs,
                                      norm_length=norm_length)
