@@ -278,9 +278,11 @@ UPDATER = textwrap.dedent("""
     import torch
     import rlbench as rl
 
-    # 128 rows of one sequence per micro-batch: an update long enough (~1 s) to be interrupted midway
+    # 128 rows of one sequence per micro-batch (each on its own: a packed micro-batch counts a group's prompt once,
+    # and two rows would fit): an update long enough (~1 s) to be interrupted midway
     settings = dict(model="tiny-arith", prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, cluster="inline",
-                    seed=0, threads=1, log_dir=None, micro_batch_tokens=16, save_dir=sys.argv[1])
+                    seed=0, threads=1, log_dir=None, micro_batch_tokens=16, attention="per_sample",
+                    save_dir=sys.argv[1])
     s, twin = rl.Session(**settings), rl.Session(**settings | {"save_dir": None})
     batch = s.advantage(s.collect())
     print("updating", flush=True)
