@@ -196,17 +196,19 @@ def content_of(value) -> tuple[str, list]:
     `str`."""
     from PIL import Image
 
-    if isinstance(value, Image.Image):
-        return IMAGE_MARK, [value]
-    if isinstance(value, (list, tuple)) and any(isinstance(item, Image.Image) for item in value):
-        images = [item for item in value if isinstance(item, Image.Image)]
-        return "".join(IMAGE_MARK if isinstance(item, Image.Image) else str(item) for item in value), images
-    return str(value), []
+    if not has_pictures(value):
+        return str(value), []
+    parts = [value] if isinstance(value, Image.Image) else value
+    return ("".join(IMAGE_MARK if isinstance(part, Image.Image) else str(part) for part in parts),
+            [part for part in parts if isinstance(part, Image.Image)])
 
 
 def has_pictures(value) -> bool:
-    """Whether a message's value holds PIL images (`content_of`)."""
-    return bool(content_of(value)[1]) if not isinstance(value, str) else False
+    """Whether a message's value holds PIL images: is one, or is a list or tuple with one among its items."""
+    from PIL import Image
+
+    return isinstance(value, Image.Image) or (isinstance(value, (list, tuple))
+                                              and any(isinstance(item, Image.Image) for item in value))
 
 
 def same_images(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

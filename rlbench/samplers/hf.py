@@ -266,11 +266,13 @@ class TransformersDecoder:
 def _distinct(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
     """(the index of each distinct prompt's first occurrence, each prompt's index among the distinct ones)."""
     seen: dict[tuple[int, ...], int] = {}
-    index = [seen.setdefault(tuple(ids), len(seen)) for ids in prompts]
-    first = {}
-    for p, d in enumerate(index):
-        first.setdefault(d, p)
-    return [first[d] for d in range(len(seen))], index
+    first, index = [], []
+    for p, ids in enumerate(prompts):
+        if tuple(ids) not in seen:
+            seen[tuple(ids)] = len(first)
+            first.append(p)
+        index.append(seen[tuple(ids)])
+    return first, index
 
 
 def sample_next(logits_B_V: torch.Tensor, params: SamplingParams,

@@ -53,11 +53,11 @@ class ScriptedSampler:
         if left and self.then is None:
             raise ValueError(f"the script gave no completion (None) for context {left[0]} and the sampler has no "
                              f"then= sampler to draw it: {contexts[left[0]][-80:]!r}")
-        drawn = self._drawn(prompt_ids, params, images, left)
+        drawn = iter(self._drawn(prompt_ids, params, images, left))
         rows = []  # (ids, log-probs) per row
-        for i, out in enumerate(scripted):
+        for out in scripted:
             if out is None:
-                rows += drawn.pop(0)
+                rows += next(drawn)
                 continue
             ids = list(out) if not isinstance(out, str) else self.tokenizer.encode(out, add_special_tokens=False)
             if self.eos and not stops.intersection(ids):
