@@ -95,12 +95,13 @@ def no_eos_qwen2(directory: str, shape: dict, max_positions: int) -> str:
 
 def packed_mask_mb(prompt_tokens: int, response_tokens: int, prompts: int, samples: int) -> tuple[float, int]:
     """The packed layout's mask (MiB) and width W for `prompts` groups of `samples` full-length responses
-    sharing no prefix (`packed_mask_bytes` of such a batch: the rollouts here share at most a first token)."""
+    sharing no prefix (`packed_mask_bytes` of such a batch, whose samples differ from their first token: the
+    rollouts here share at most a first token)."""
     B = prompts * samples
     group_B = torch.arange(B) // samples
     batch = Batch(dict(prompt_ids=(group_B[:, None] + 3).expand(B, prompt_tokens),
                        prompt_mask=torch.ones(B, prompt_tokens, dtype=torch.long),
-                       response_ids=torch.zeros(B, response_tokens, dtype=torch.long),
+                       response_ids=(torch.arange(B) % samples + 3)[:, None].expand(B, response_tokens),
                        response_mask=torch.ones(B, response_tokens, dtype=torch.long)))
     mask_bytes = packed_mask_bytes(batch)
     return mask_bytes / 2**20, mask_bytes // (4 * (prompt_tokens + samples * response_tokens) * prompts)

@@ -110,6 +110,32 @@ def test_shared_response_prefixes_run_once_and_equal_the_padded_forward(tiny):
     assert_close(packed[valid], padded_forward(model, batch)[valid], atol=1e-5)  # 1e-5: packed vs padded attention
 
 
+def test_the_prefix_tree_is_the_trie_of_each_groups_responses():
+    # random groups of short responses over 3 tokens (many shared prefixes, repeats, empty rows), against a trie
+    # built by hand: a node per distinct (group, prefix), numbered in depth-first order with children in token order
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        B, T = int(torch.randint(1, 12, (1,), generator=g)), int(torch.randint(1, 8, (1,), generator=g))
+        ids = torch.randint(0, 3, (B, T), generator=g)
+        mask = torch.arange(T) < torch.randint(0, T + 1, (B, 1), generator=g)
+        group = torch.sort(torch.randint(0, 3, (B,), generator=g)).values.unique(return_inverse=True)[1]
+        groups = int(group.max()) + 1
+        tree = _prefix_tree(group, ids, mask, groups)
+        rows = [tuple(ids[b, : int(mask[b].sum())].tolist()) for b in range(B)]
+        prefixes = [sorted({r[: t + 1] for b, r in enumerate(rows) if group[b] == k for t in range(len(r))})
+                    for k in range(groups)]  # sorted tuples: depth-first, children in token order
+        assert tree.nodes_G.tolist() == [len(p) for p in prefixes]
+        node_of = {(int(tree.group_M[m]), int(tree.preorder_M[m])): m for m in range(len(tree.token_M))}
+        for k, group_prefixes in enumerate(prefixes):
+            for preorder, prefix in enumerate(group_prefixes):
+                m = node_of[k, preorder]
+                assert (int(tree.token_M[m]), int(tree.depth_M[m])) == (prefix[-1], len(prefix) - 1)
+                assert int(tree.size_M[m]) == sum(p[: len(prefix)] == prefix for p in group_prefixes)
+        for b, r in enumerate(rows):
+            expected = [node_of[int(group[b]), prefixes[group[b]].index(r[: t + 1])] for t in range(len(r))]
+            assert tree.node_B_T[b].tolist() == expected + [-1] * (T - len(r))
+
+
 def test_groups_are_packed_longest_first_into_the_fewest_slots():
     # widths 9, 18, 27, ...: 9 takes 3 rows (27 slots: [9] [9] [5 4]), 27 one row of 27: the narrower wins
     assert _pack([5, 9, 4, 9]) == ([18, 0, 23, 9], 3, 9)

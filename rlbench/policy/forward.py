@@ -75,46 +75,47 @@ def response_outputs(model, batch: Batch, attention: str = "auto",
         raise ValueError("attention='packed' lays out each group's pictures once, before its responses, and these "
                          "responses hold pictures of their own (an episode's tools returned them): use "
                          "attention='per_sample' or 'auto'")
-    if attention == "per_sample" or (attention == "auto" and not packing_pays(model, batch)):
+    if attention == "per_sample" or (attention == "auto" and not _maskable(model, batch)):
         return _per_sample_outputs(model, batch, head)
-    return _packed_outputs(model, batch, head)
+    packing = _pack_groups(batch)
+    if attention == "auto" and not _pays(model, batch, packing):
+        return _per_sample_outputs(model, batch, head)
+    return _packed_outputs(model, batch, packing, head)
 
 
 def packing_pays(model, batch: Batch) -> bool:
-    """Whether `attention="auto"` packs: the model's attention honours the mask, the mask takes at most
-    `PACKED_MASK_BYTES`, and the packed forward costs no more than the per-sample one, with a cost of
-    tokens + query-key pairs / (`PAIRS_PER_TOKEN` x hidden size) (see there). Packed: its slots times W;
-    per-sample: B rows of the longest row's length L, B·L² pairs. Packing wins where a long prompt is
-    shared by short responses, and loses as responses grow (W grows with a group's summed responses)."""
-    if model.config._attn_implementation not in MASKED_ATTENTION or packed_mask_bytes(batch) > PACKED_MASK_BYTES \
-            or images_in_responses(model, batch):
+    """Whether `attention="auto"` packs `batch`: the model's attention honours the mask (`_maskable`) and the packed
+    layout pays (`_pays`)."""
+    return _maskable(model, batch) and _pays(model, batch, _pack_groups(batch))
+
+
+def _maskable(model, batch: Batch) -> bool:
+    """Whether the packed layout can hold `batch`: the model's attention honours its mask, and no response holds
+    pictures."""
+    return model.config._attn_implementation in MASKED_ATTENTION and not images_in_responses(model, batch)
+
+
+def _pays(model, batch: Batch, packing: Packing) -> bool:
+    """Whether the packed layout `packing` of `batch` takes at most `PACKED_MASK_BYTES` for its mask and costs no
+    more than the per-sample one, with a cost of tokens + query-key pairs / (`PAIRS_PER_TOKEN` x hidden size) (see
+    there). Packed: its R x W slots, R·W² pairs; per-sample: B rows of the longest row's length L, B·L² pairs.
+    Packing wins where a long prompt, or a long response prefix, is shared by a group's samples, and loses as the
+    group's distinct response tokens grow (W grows with them)."""
+    R, W = packing.span_R_W.shape
+    if 4 * R * W * W > PACKED_MASK_BYTES:
         return False
-    slots, W = _packed_size(batch)
     L = int((batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).max())
     pairs_per_token = PAIRS_PER_TOKEN * model.config.get_text_config().hidden_size
-    return slots * (1 + W / pairs_per_token) <= len(batch) * L * (1 + L / pairs_per_token)
+    return R * W * (1 + W / pairs_per_token) <= len(batch) * L * (1 + L / pairs_per_token)
 
 
 def packed_mask_bytes(batch: Batch) -> int:
-    """About how many bytes the packed layout's fp32 mask R x W x W takes, without building the layout:
-    4 x slots x W (see `_packed_size`)."""
-    slots, W = _packed_size(batch)
-    return 4 * slots * W
+    """How many bytes the packed layout's fp32 mask R x W x W takes (`_pack_groups`)."""
+    R, W = _pack_groups(batch).span_R_W.shape
+    return 4 * R * W * W
 
 
-def _packed_size(batch: Batch) -> tuple[int, int]:
-    """About how many slots the packed layout takes and its width W, without building it: each group's
-    slots taken as its prompt plus all its response tokens (an upper bound: responses that share prefixes
-    take fewer), W the longest group or, for short groups, up to 2 x `PACK_WIDTH` (see `_pack`)."""
-    new_group_B = _new_groups(batch)
-    group_B = new_group_B.cumsum(0) - 1
-    prompt_len_G = batch["prompt_mask"][new_group_B].sum(-1)
-    length_G = prompt_len_G.index_add(0, group_B, batch["response_mask"].sum(-1).to(prompt_len_G.dtype))
-    longest, slots = (int(length_G.max()), int(length_G.sum())) if len(length_G) else (0, 0)
-    return slots, max(longest, min(slots, 2 * PACK_WIDTH))
-
-
-def _packed_outputs(model, batch: Batch, head=None) -> torch.Tensor:
+def _packed_outputs(model, batch: Batch, packing: Packing, head=None) -> torch.Tensor:
     """`response_outputs` in the shared-prefix layout.
 
     No compute goes to padding, nor to any context more than once. Consecutive rows with the same prompt
@@ -131,7 +132,6 @@ def _packed_outputs(model, batch: Batch, head=None) -> torch.Tensor:
     `packed_mask_bytes`: over 1 GiB for 8 samples of 2048 tokens); "eager" attention also keeps R x heads x W x W
     scores and probabilities per layer for the backward.
     """
-    packing = _pack_groups(batch)
     R, W = packing.span_R_W.shape
     # in depth-first order a slot's descendants (and, for a prompt token, the rest of its group) directly
     # follow it: slot j is visible from the span_j slots that start at j
@@ -412,46 +412,56 @@ class PrefixTree:
 
 
 def _prefix_tree(group_B: torch.Tensor, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor, groups: int) -> PrefixTree:
-    """The prefix tree of each group's responses (a group's rows are consecutive; masks are left-aligned)."""
+    """The prefix tree of each group's responses (a group's rows are consecutive; masks are left-aligned), from the
+    rows in lexicographic order: there a depth-first walk of a group's tree (children in token order) is its rows in
+    turn, each adding the tokens after its longest common prefix with the row before (`lcp_I`), and a node's subtree
+    is every node up to the first later row that shares less than the node's prefix. All ops are over `[B, T]`."""
     B, T = ids_B_T.shape
     device = ids_B_T.device
-    V = int(ids_B_T.max()) + 1 if ids_B_T.numel() else 1
-    node_B_T = torch.full((B, T), -1, dtype=torch.long, device=device)
-    parents, tokens = [], []  # per depth, each node's parent (an index into the previous depth; the group at 0)
-    parent_B, first = group_B, 0
-    for t in range(T):
-        rows_b = mask_B_T[:, t].nonzero().squeeze(-1)
-        if not len(rows_b):
-            break
-        key_u, node_b = torch.unique(parent_B[rows_b] * V + ids_B_T[rows_b, t], return_inverse=True)
-        parents.append(key_u // V)
-        tokens.append(key_u % V)
-        node_B_T[rows_b, t] = first + node_b
-        parent_B = node_B_T[:, t] - first
-        first += len(key_u)
-    # subtree sizes, deepest first
-    sizes = [torch.ones(len(parent_u), dtype=torch.long, device=device) for parent_u in parents]
-    for t in range(len(parents) - 1, 0, -1):
-        sizes[t - 1].index_add_(0, parents[t], sizes[t])
-    # depth-first positions: a node follows its parent, after its earlier siblings' subtrees (siblings are
-    # consecutive, in token order: `unique` sorts by parent, then token)
-    preorder_u, group_u = torch.full((groups,), -1, device=device), torch.arange(groups, device=device)
-    preorders, node_groups = [], []
-    for parent_u, size_u in zip(parents, sizes):
-        before_u = size_u.cumsum(0) - size_u
-        first_child_u = torch.ones(len(parent_u), dtype=torch.bool, device=device)
-        first_child_u[1:] = parent_u[1:] != parent_u[:-1]
-        siblings_before_u = before_u - before_u[first_child_u][first_child_u.cumsum(0) - 1]
-        preorder_u, group_u = preorder_u[parent_u] + 1 + siblings_before_u, group_u[parent_u]
-        preorders.append(preorder_u)
-        node_groups.append(group_u)
-    if not parents:  # no response tokens at all
-        parents = tokens = sizes = preorders = node_groups = [torch.zeros(0, dtype=torch.long, device=device)]
-    group_M = torch.cat(node_groups)
-    return PrefixTree(node_B_T=node_B_T, token_M=torch.cat(tokens),
-                      depth_M=torch.cat([torch.full_like(p, t) for t, p in enumerate(parents)]),
-                      group_M=group_M, size_M=torch.cat(sizes), preorder_M=torch.cat(preorders),
-                      nodes_G=torch.bincount(group_M, minlength=groups))
+    t_T = torch.arange(T, device=device)
+    code_B_T = torch.where(mask_B_T, ids_B_T + 1, 0)  # padding before every token: a prefix before its extensions
+    order_I = torch.argsort(_row_ranks(torch.cat([group_B[:, None], code_B_T], 1)), stable=True)
+    code_I_T, group_I, len_I = code_B_T[order_I], group_B[order_I], mask_B_T.sum(-1)[order_I]
+    lcp_I = torch.zeros(B, dtype=torch.long, device=device)
+    if B > 1:
+        same_I_T = (code_I_T[1:] == code_I_T[:-1]) & (code_I_T[1:] > 0)
+        lcp_I[1:] = same_I_T.cumprod(-1).sum(-1) * (group_I[1:] == group_I[:-1])
+    new_I = len_I - lcp_I
+    start_I = new_I.cumsum(0) - new_I  # the first node a row adds, numbered in depth-first order over all groups
+    M = int(new_I.sum())
+    nodes_G = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, group_I, new_I)
+    # the node at (row i, depth t) was added by the last row j <= i with lcp_j <= t ...
+    opens_I_T = lcp_I[:, None] <= t_T
+    row_I_1 = torch.arange(B, device=device)[:, None]
+    owner_I_T = torch.where(opens_I_T, row_I_1, -1).cummax(0).values
+    node_I_T = start_I[owner_I_T] + t_T - lcp_I[owner_I_T]
+    node_I_T = node_I_T.masked_fill(t_T >= len_I[:, None], -1)
+    # ... and its subtree ends where the first later row j with lcp_j <= t adds its first node (or at the end)
+    after_I_T = torch.where(opens_I_T, row_I_1, B).flip(0).cummin(0).values.flip(0)
+    after_I_T = torch.cat([after_I_T[1:], torch.full((1, T), B, device=device)])
+    end_I_T = torch.cat([start_I, torch.tensor([M], device=device)])[after_I_T]
+    added_I_T = opens_I_T & (t_T < len_I[:, None])
+    node_B_T = torch.empty_like(node_I_T)
+    node_B_T[order_I] = node_I_T
+    group_M = group_I[:, None].expand(B, T)[added_I_T]
+    return PrefixTree(node_B_T=node_B_T, token_M=ids_B_T[order_I][added_I_T],
+                      depth_M=t_T.expand(B, T)[added_I_T], group_M=group_M,
+                      size_M=(end_I_T - node_I_T)[added_I_T],
+                      preorder_M=torch.arange(M, device=device) - (nodes_G.cumsum(0) - nodes_G)[group_M],
+                      nodes_G=nodes_G)
+
+
+def _row_ranks(keys_B_K: torch.Tensor) -> torch.Tensor:
+    """`[B]`: each row's rank in the lexicographic order of the rows of `keys_B_K` (integers >= 0; equal rows, equal
+    ranks), by prefix doubling: pairs of adjacent columns are replaced by their rank among all such pairs, halving
+    the columns until one is left (log2 K sorts of at most B·K/2 pairs)."""
+    rank_B_K = keys_B_K
+    while rank_B_K.shape[1] > 1:
+        if rank_B_K.shape[1] % 2:
+            rank_B_K = F.pad(rank_B_K, (0, 1))
+        pair_B_K = rank_B_K[:, 0::2] * (int(rank_B_K.max()) + 1) + rank_B_K[:, 1::2]
+        rank_B_K = torch.unique(pair_B_K, return_inverse=True)[1]
+    return rank_B_K[:, 0]
 
 
 def response_logits(model, batch: Batch, temperature: float = 1.0, attention: str = "auto") -> torch.Tensor:
