@@ -1,6 +1,9 @@
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Ray clusters the tests start themselves (test_ray_nodes.py) stay on loopback: Ray reads this when imported, and
+# otherwise connects to 127.0.0.1's cluster at the machine's address (rlbench's private instances set it too)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -25,7 +25,7 @@ from rlbench.runs.progress import bar as progress_bar
 from rlbench.models.vision import Vision
 from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams, VLLMSampler
 from rlbench.samplers import vllm as vllm_sampler
-from rlbench.workers.cluster import Ray, WorkerGroup, acquire_ray, check_resources, release_ray
+from rlbench.workers.cluster import Placer, Ray, WorkerGroup, acquire_ray, check_resources, release_ray
 from rlbench.workers.handles import CriticHandle, EnvHandle, PolicyHandle, ReferenceHandle, SamplerHandle, ScorerHandle
 
 
@@ -48,6 +48,8 @@ class Workers:
     critic: CriticHandle | None
     groups: list[WorkerGroup]
     on_ray: bool
+    placer: Placer | None = None
+    """Where the Ray processes went (`Ray.nodes`), None inline."""
     teacher: ReferenceHandle | None = None
     """The on-policy distillation teacher (`Config.teacher`), or None."""
     rollout: list[SamplerHandle] | None = None
@@ -56,7 +58,7 @@ class Workers:
     """Replace rollout worker i, found dead, with a new one behind the same handle (`SamplerHandle.replace`)."""
 
     def __post_init__(self):
-        self._closer = weakref.finalize(self, _close_groups, self.groups, self.on_ray)
+        self._closer = weakref.finalize(self, _close_groups, self.groups, self.on_ray, self.placer)
 
     def close(self) -> None:
         """End every worker (and the Ray instance rlbench started, once no session uses it). Idempotent."""
@@ -150,25 +152,30 @@ def start_workers(cfg: Config, algorithm: Algorithm, task, model_dir: str, token
     samplers = rollout_workers or 1
     processes = cfg.world_size * separate + samplers + 1  # policy ranks (and their reference / critic), samplers, rewards
     groups: list[WorkerGroup] = []
+    placer = None
     if ray is not None:
         acquire_ray(ray, cpus_needed=processes * cfg.cpus_per_worker)
         try:
             check_resources(processes * cfg.cpus_per_worker, (processes - 1) * gpus,
                             f"world_size={cfg.world_size} (placement={cfg.placement!r}: {processes} worker "
                             f"processes at cpus_per_worker={cfg.cpus_per_worker:g})")
+            # one bundle per process, in the order `_build` makes them (the reward worker, last, takes no GPU)
+            bundle = {"CPU": cfg.cpus_per_worker} | ({"GPU": gpus} if gpus else {})
+            placer = Placer(ray, [bundle] * (processes - 1) + [{"CPU": cfg.cpus_per_worker}])
         except ValueError:
             release_ray()
             raise
     try:
         return _build(cfg, algorithm, task, model_dir, tokenizer, teacher_dir, ray, separate > 1, device, gpus, groups,
-                      rollout_workers)
+                      rollout_workers, placer)
     except BaseException:
-        _close_groups(groups, ray is not None)
+        _close_groups(groups, ray is not None, placer)
         raise
 
 
 def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, teacher_dir: str | None, ray: Ray | None,
-           separate: bool, device: str, gpus: int, groups: list[WorkerGroup], rollout_workers: int) -> Workers:
+           separate: bool, device: str, gpus: int, groups: list[WorkerGroup], rollout_workers: int,
+           placer: Placer | None) -> Workers:
     threads = cfg.threads or (1 if ray else None)  # inline: the user's thread count unless `threads` is set
     optim = OptimSettings(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                           lr_schedule=cfg.lr_schedule, lr_warmup_steps=cfg.lr_warmup_steps,
@@ -177,7 +184,8 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
 
     def group(name: str, size: int, concurrency: int = 1, env: dict[str, str] | None = None) -> WorkerGroup:
         workers = WorkerGroup(name, size, ray=ray is not None, threads=threads, cpus=cfg.cpus_per_worker,
-                              gpus=gpus if name != "rewards" else 0, concurrency=concurrency, env=env)
+                              gpus=gpus if name not in ("rewards", "envs") else 0, concurrency=concurrency, env=env,
+                              placer=placer)
         groups.append(workers)
         return workers
 
@@ -260,7 +268,8 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
     return Workers(policy=PolicyHandle(policy, algorithm, cfg.max_new_tokens), sampler=sampler,
                    scorer=scorer, episodes=episodes, reference=reference, teacher=teacher,
                    critic=critic and CriticHandle(critic, algorithm, cfg.max_new_tokens),
-                   groups=groups, on_ray=ray is not None, rollout=rollout, restart_rollout=restart_rollout)
+                   groups=groups, on_ray=ray is not None, placer=placer, rollout=rollout,
+                   restart_rollout=restart_rollout)
 
 
 def _wait_started(groups: list[WorkerGroup]) -> None:
@@ -302,11 +311,14 @@ def _episode_runner(cfg: Config, task, model_dir: str, tokenizer, sampler: Sampl
                          route=info["route"])
 
 
-def _close_groups(groups: list[WorkerGroup], on_ray: bool) -> None:
-    """End the groups' workers; release Ray (shut down if rlbench started it and no session uses it)."""
+def _close_groups(groups: list[WorkerGroup], on_ray: bool, placer: Placer | None = None) -> None:
+    """End the groups' workers and free their placement; release Ray (shut down if rlbench started it and no session
+    uses it)."""
     for workers in groups:
         workers.close()
     groups.clear()
+    if placer is not None:
+        placer.close()
     if on_ray:
         release_ray()
 

@@ -38,6 +38,37 @@ class Ray:
     """A cluster to join ("auto", "ray://host:port", "host:port"); None = RAY_ADDRESS, else a private local instance."""
     num_cpus: int | None = None
     """Logical CPUs of a private local instance (None = enough for the session's actors)."""
+    nodes: str | dict[str, str] = "any"
+    """Which nodes of the cluster the session's worker processes go to (`Placer`): "any", wherever Ray finds room;
+    "spread", one placement group of them all spread over as many nodes as it can (the policy's ranks on different
+    nodes where there are enough); "pack", on as few nodes as it can; or {role: resource}, a role's processes only on
+    nodes that have that custom resource (started with `ray start --resources='{"trainer": 1}'`; each process asks
+    for 0.001 of it, so its CPUs decide how many fit), the roles not named anywhere. Roles (`ROLES`): "policy" (and
+    what runs in its rank processes), "reference", "teacher", "critic" (placement="separate"), "sampler" (and the
+    rollout workers), "rewards" (the reward scorer, or an agentic task's environments)."""
+
+    def __post_init__(self):
+        if isinstance(self.nodes, dict):
+            unknown = [role for role in self.nodes if role not in ROLES]
+            if unknown or not all(isinstance(v, str) and v for v in self.nodes.values()):
+                raise ValueError(f"Ray(nodes={self.nodes!r}): give {{role: custom resource name}} with roles among "
+                                 f"{', '.join(map(repr, ROLES))}" + (f" (not {', '.join(map(repr, unknown))})"
+                                                                    if unknown else ""))
+        elif self.nodes not in NODES:
+            raise ValueError(f"Ray(nodes={self.nodes!r}) is not one of: {', '.join(map(repr, NODES))}, "
+                             f"or {{role: custom resource name}}")
+
+
+NODES = ("any", "spread", "pack")
+"""`Ray.nodes`' strategies."""
+ROLES = ("policy", "reference", "teacher", "critic", "sampler", "rewards")
+"""`Ray.nodes`' roles: what each group of a session's workers is (`role_of`)."""
+
+
+def role_of(group: str) -> str:
+    """The `Ray.nodes` role of a worker group by its name: a rollout worker's is "sampler", the environments'
+    "rewards"."""
+    return "sampler" if group.startswith("rollout-") else "rewards" if group == "envs" else group
 
 
 class WorkerDied(RuntimeError):
@@ -84,7 +115,7 @@ class WorkerGroup:
     `env`: environment variables of a Ray host's process (besides `WORKER_ENV`)."""
 
     def __init__(self, name: str, size: int, *, ray: bool, threads: int | None = 1, cpus: float = 1.0, gpus: float = 0,
-                 concurrency: int = 1, env: dict[str, str] | None = None):
+                 concurrency: int = 1, env: dict[str, str] | None = None, placer: Placer | None = None):
         self.name, self.size, self.ray = name, size, ray
         if not ray:
             if size != 1:
@@ -93,9 +124,10 @@ class WorkerGroup:
             return
         import ray as ray_module
 
-        actor = ray_module.remote(Host).options(
-            num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency, runtime_env=worker_runtime_env(env))
-        self.hosts = [actor.remote(threads) for _ in range(size)]
+        actor = ray_module.remote(Host)
+        common = dict(num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency, runtime_env=worker_runtime_env(env))
+        where = placer.options(name, size) if placer is not None else [{}] * size
+        self.hosts = [actor.options(**common, **options).remote(threads) for options in where]
 
     # ------------------------------------------------------------------------------ calls
     def build(self, name: str, factory: Callable, kwargs_per_rank: list[dict]) -> None:
@@ -161,6 +193,14 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return self._get([self._send(h, "pid") for h in self._open()], "pid")
 
+    def node_ids(self) -> list[str]:
+        """The Ray node each rank runs on (inline: this process's node, or "" without Ray)."""
+        if not self.ray:
+            import ray
+
+            return [ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""]
+        return self._get([h.__ray_call__.remote(_node_id) for h in self._open()], "node_ids")
+
     def close(self) -> None:
         """End the group's worker processes (Ray actors are killed; inline objects are dropped)."""
         if self.ray:
@@ -208,6 +248,68 @@ class Pending:
 
     def result(self) -> Any:
         return self.merge(self.group._get(self.futures, self.what))
+
+
+def _node_id(_host) -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+class Placer:
+    """Where a session's Ray worker processes go (`Ray.nodes`): the Ray options of each new group's processes.
+
+    "spread" and "pack" reserve one placement group of `bundles` (one per process, in the order the groups are made)
+    and hand its bundles out in that order; a group made again under the same name (a worker replaced) gets its
+    bundles back. {role: resource} asks each process of a named role for a little of that resource. `close()`
+    frees the reservation."""
+
+    WAIT_S = 60
+    """How long a placement group may take to be placed before the session gives up, naming it."""
+
+    def __init__(self, spec: Ray, bundles: list[dict[str, float]]):
+        import ray
+
+        self.spec, self.group, self.given, self.next = spec, None, {}, 0
+        if isinstance(spec.nodes, dict):
+            have = ray.cluster_resources()
+            missing = {role: r for role, r in spec.nodes.items() if r not in have}
+            if missing:
+                custom = sorted(k for k in have if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                                and not k.startswith("node:"))
+                raise ValueError(f"Ray(nodes={spec.nodes!r}): no node of the cluster has "
+                                 f"{', '.join(f'{r!r} (for {role})' for role, r in missing.items())}; its custom "
+                                 f"resources: {', '.join(map(repr, custom)) or 'none'}")
+        elif spec.nodes != "any":
+            self.group = ray.util.placement_group(bundles, strategy=spec.nodes.upper())
+            ready, _ = ray.wait([self.group.ready()], timeout=self.WAIT_S)
+            if not ready:
+                self.close()
+                raise ValueError(f"Ray(nodes={spec.nodes!r}): the cluster could not place one process per bundle "
+                                 f"{bundles} within {self.WAIT_S} s (each must fit on one node): lower "
+                                 f"cpus_per_worker or world_size, or add nodes")
+
+    def options(self, name: str, size: int) -> list[dict]:
+        """The Ray actor options of group `name`'s `size` processes."""
+        if isinstance(self.spec.nodes, dict):
+            resource = self.spec.nodes.get(role_of(name))
+            return [{"resources": {resource: 0.001}} if resource else {} for _ in range(size)]
+        if self.group is None:
+            return [{}] * size
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if name not in self.given:
+            self.given[name] = list(range(self.next, self.next + size))
+            self.next += size
+        return [{"scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i)}
+                for i in self.given[name]]
+
+    def close(self) -> None:
+        import ray
+
+        if self.group is not None and ray.is_initialized():
+            ray.util.remove_placement_group(self.group)
+        self.group = None
 
 
 RANK_LISTS = ("image_inputs",)
