@@ -59,9 +59,12 @@ PANELS = (
     Panel("entropy", ("entropy",)),
     Panel("clip fraction", ("clip_frac", "clip_frac_lower")),
     Panel("response length (tokens)", ("response_length",)),
+    Panel("expert load (1 = balanced)", ("router_imbalance", "router_aux_loss"), labels=("E x top share", "aux loss")),
+    Panel("router entropy (nats)", ("router_entropy",)),
     Panel("stage timings (s)", TIMINGS, compare="time_step", labels=tuple(t.removeprefix("time_") for t in TIMINGS)),
 )
-"""The default panels of `plot` and the dashboard, in order (an agentic task's show its turns and tools). Those
+"""The default panels of `plot` and the dashboard, in order (an agentic task's show its turns and tools, a mixture of
+experts' its routing: `rlbench.policy.router`). Those
 that say nothing for the runs drawn are left out: no data, only zeros (clipping on-policy, KL without a
 reference), or the same lines as a panel before them (accuracy where it is the reward)."""
 

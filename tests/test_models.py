@@ -90,7 +90,8 @@ def test_left_padding_survives_save_and_load(tokenizer, tmp_path):
 
 
 def test_builtin_names():
-    assert models.names() == ["tiny-arith", "tiny-arith-small", "tiny-mix", "tiny-tools", "tiny-vl", "tiny-arith-grpo"]
+    assert models.names() == ["tiny-arith", "tiny-arith-small", "tiny-mix", "tiny-moe", "tiny-tools", "tiny-vl",
+                             "tiny-arith-grpo"]
 
 
 def test_build_writes_an_ordinary_hf_directory(cached):

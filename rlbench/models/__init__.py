@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from rlbench.models import tiny_arith, tiny_mix, tiny_tools, tiny_vl, vision
+from rlbench.models import tiny_arith, tiny_mix, tiny_moe, tiny_tools, tiny_vl, vision
 from rlbench.models.arithmetic_data import arithmetic_split
 from rlbench.models.checks import (check_fits, check_same_tokenizer, check_tokenizer_files, check_weights, dropout_fields,
                                    prompt_room)
@@ -34,6 +34,7 @@ __all__ = ["arithmetic_split", "build_tiny_model", "build_tokenizer", "builder",
 _BUILTINS: dict[str, Callable[[int], Path] | str] = {tiny_arith.NAME: tiny_arith.ensure_built,
                                                       tiny_arith.SMALL_NAME: tiny_arith.ensure_built_small,
                                                       tiny_mix.NAME: tiny_mix.ensure_built,
+                                                      tiny_moe.NAME: tiny_moe.ensure_built,
                                                       tiny_tools.NAME: tiny_tools.ensure_built,
                                                       tiny_vl.NAME: tiny_vl.ensure_built,
                                                       tiny_arith.GRPO_NAME: "rlbench.quickstart:teacher"}

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from rlbench.models.arithmetic_data import Pair, answer, arithmetic_split, prompt
 from rlbench.models.tokenizer import build_tokenizer
@@ -98,8 +98,10 @@ def train_tiny_arith(seed: int = 0, layers: int = 2) -> tuple[Qwen2ForCausalLM, 
     return model.eval(), tokenizer
 
 
-def warm_start(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> tuple[int, float]:
-    """Supervised training on the train pairs until held-out greedy accuracy is in [STOP_AT, OVERSHOOT].
+def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, seed: int,
+               name: str | None = None) -> tuple[int, float]:
+    """Supervised training on the train pairs until held-out greedy accuracy is in [STOP_AT, OVERSHOOT]; `name`
+    shows in the progress bar (default `NAME`, or `SMALL_NAME` for one layer).
 
     Returns (steps taken, held-out accuracy). A check above OVERSHOOT rolls the model and optimizer
     back to the previous check, and training goes on from there with a check after every step.
@@ -109,7 +111,7 @@ def warm_start(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, *, s
     return supervised_warm_start(
         model, inputs_N_T, labels_N_T, lambda m: greedy_accuracy(m, tokenizer, heldout_pairs), seed=seed, lr=LR,
         batch_size=BATCH_SIZE, eval_every=EVAL_EVERY, stop_at=STOP_AT, overshoot=OVERSHOOT, max_steps=MAX_STEPS,
-        name=NAME if model.config.num_hidden_layers == 2 else SMALL_NAME)
+        name=name or (NAME if model.config.num_hidden_layers == 2 else SMALL_NAME))
 
 
 def sft_tensors(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +120,7 @@ def sft_tensors(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[Pair]) -> tu
 
 
 def greedy_accuracy(
-    model: Qwen2ForCausalLM,
+    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     pairs: Sequence[Pair],
     max_new_tokens: int = MAX_NEW_TOKENS,

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from rlbench.algorithms import entropy_from_logits, teacher_topk, token_logp, token_logp_and_sum_pi2
 from rlbench.batch import Batch
 from rlbench.models.vision import NEVER_LOGIT, forward_inputs, image_inputs, never_sampled, same_images
+from rlbench.policy.router import RouterStats
 
 
 PACK_WIDTH = 64
@@ -47,7 +48,8 @@ def chunk_tokens_for(setting: int | None, micro_batch_tokens: int, vocab: int) -
 
 
 def response_outputs(model, batch: Batch, attention: str = "auto",
-                     head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     router: RouterStats | None = None) -> torch.Tensor:
     """The model's outputs at the positions that predict each response token, `[B, T, F]` in fp32; with `head`,
     what `head` makes of the hidden states there, `[B·T, H]` -> `[B·T, F]`, in place of the output embedding's
     logits (`response_stats`).
@@ -63,6 +65,8 @@ def response_outputs(model, batch: Batch, attention: str = "auto",
       with no mask tensor: memory linear in the sequence length (with "sdpa" or flash attention).
     - "auto": "packed" where it pays (`packing_pays`: many short responses to a shared prompt), else
       "per_sample".
+
+    `router`: a mixture-of-experts model's `RouterStats`, told which positions of the layout predict the responses.
     """
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} is not one of: {', '.join(map(repr, ATTENTION))}")
@@ -76,11 +80,11 @@ def response_outputs(model, batch: Batch, attention: str = "auto",
                          "responses hold pictures of their own (an episode's tools returned them): use "
                          "attention='per_sample' or 'auto'")
     if attention == "per_sample" or (attention == "auto" and not _maskable(model, batch)):
-        return _per_sample_outputs(model, batch, head)
+        return _per_sample_outputs(model, batch, head, router)
     packing = _pack_groups(batch)
     if attention == "auto" and not _pays(model, batch, packing):
-        return _per_sample_outputs(model, batch, head)
-    return _packed_outputs(model, batch, packing, head)
+        return _per_sample_outputs(model, batch, head, router)
+    return _packed_outputs(model, batch, packing, head, router)
 
 
 def packing_pays(model, batch: Batch) -> bool:
@@ -115,7 +119,7 @@ def packed_mask_bytes(batch: Batch) -> int:
     return 4 * R * W * W
 
 
-def _packed_outputs(model, batch: Batch, packing: Packing, head=None) -> torch.Tensor:
+def _packed_outputs(model, batch: Batch, packing: Packing, head=None, router: RouterStats | None = None) -> torch.Tensor:
     """`response_outputs` in the shared-prefix layout.
 
     No compute goes to padding, nor to any context more than once. Consecutive rows with the same prompt
@@ -144,7 +148,7 @@ def _packed_outputs(model, batch: Batch, packing: Packing, head=None) -> torch.T
                   attention_mask=bias_R_1_W_W)
     if has_images(batch):
         inputs |= _packed_image_inputs(model, batch, packing)
-    return _outputs_at(model, packing.predictor_B_T, head, **inputs)
+    return _outputs_at(model, packing.predictor_B_T, head, router, **inputs)
 
 
 def _packed_image_inputs(model, batch: Batch, packing: Packing) -> dict[str, torch.Tensor]:
@@ -171,7 +175,7 @@ def _packed_image_inputs(model, batch: Batch, packing: Packing) -> dict[str, tor
         "position_ids": position_3_N.view(3, R, W)}
 
 
-def _per_sample_outputs(model, batch: Batch, head=None) -> torch.Tensor:
+def _per_sample_outputs(model, batch: Batch, head=None, router: RouterStats | None = None) -> torch.Tensor:
     """`response_outputs` with each row on its own: its prompt's real tokens then its response, moved to the
     row's start (right padding, token 0), through plain causal attention. Nothing after a real token changes
     what it sees, so no mask is needed and none is built: with "sdpa" or flash attention, memory grows
@@ -192,7 +196,7 @@ def _per_sample_outputs(model, batch: Batch, head=None) -> torch.Tensor:
     row_B_1 = torch.arange(len(ids_B_L), device=ids_B_L.device)[:, None]
     images = forward_inputs(model, ids_B_L, real_B_S.gather(1, order_B_S[:, :L]).long(), batch["image_inputs"]) \
         if has_images(batch) else {}
-    return _outputs_at(model, row_B_1 * L + predictor_B_T, head, input_ids=ids_B_L, **images)
+    return _outputs_at(model, row_B_1 * L + predictor_B_T, head, router, input_ids=ids_B_L, **images)
 
 
 def images_in_responses(model, batch: Batch) -> bool:
@@ -211,10 +215,12 @@ def has_images(batch: Batch) -> bool:
 
 
 def _outputs_at(model, predictor_B_T: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None,
-                **inputs) -> torch.Tensor:
+                router: RouterStats | None, **inputs) -> torch.Tensor:
     """The model's outputs `[B, T, F]` (fp32) at the flat positions `predictor_B_T` of its input `[R, W]`; with
     `head`, what `head` makes of the hidden states there `[B·T, H]`, computed in place of the model's output
-    embedding (inside its forward, where sharded weights are gathered)."""
+    embedding (inside its forward, where sharded weights are gathered). `router` learns those positions."""
+    if router is not None:
+        router.at = predictor_B_T
     if head is None:
         out_R_W_F = model(**inputs, use_cache=False).logits
         never = never_sampled(model)
@@ -230,7 +236,7 @@ def _outputs_at(model, predictor_B_T: torch.Tensor, head: Callable[[torch.Tensor
 
 
 def response_stats(model, batch: Batch, *, temperature: float, chunk_tokens: int, attention: str = "auto",
-                   sum_pi2: bool = False) -> torch.Tensor:
+                   sum_pi2: bool = False, router: RouterStats | None = None) -> torch.Tensor:
     """Per response token `[B, T, 2]` (`[B, T, 3]` with `sum_pi2`): its log-prob, the entropy of its distribution
     (and `Σ_v π_v²`), from logits scaled by 1/temperature, without ever holding the `[B, T, V]` logits: the model's
     output head runs on `chunk_tokens` positions at a time, and under autograd each chunk is checkpointed, so the
@@ -253,7 +259,7 @@ def response_stats(model, batch: Batch, *, temperature: float, chunk_tokens: int
             chunks.append(checkpoint(_head_stats, *args, use_reentrant=False) if torch.is_grad_enabled()
                           else _head_stats(*args))
         return torch.cat(chunks)
-    return response_outputs(model, batch, attention, head=head)
+    return response_outputs(model, batch, attention, head=head, router=router)
 
 
 def drawn_logp(model, logp_B_T: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
@@ -464,9 +470,10 @@ def _row_ranks(keys_B_K: torch.Tensor) -> torch.Tensor:
     return rank_B_K[:, 0]
 
 
-def response_logits(model, batch: Batch, temperature: float = 1.0, attention: str = "auto") -> torch.Tensor:
+def response_logits(model, batch: Batch, temperature: float = 1.0, attention: str = "auto",
+                    router: RouterStats | None = None) -> torch.Tensor:
     """Logits `[B, T, V]` of each response token, scaled by 1/temperature (temperature 0, greedy: unscaled)."""
-    logits_B_T_V = response_outputs(model, batch, attention)
+    logits_B_T_V = response_outputs(model, batch, attention, router=router)
     return logits_B_T_V / temperature if temperature not in (0, 1) else logits_B_T_V
 
 

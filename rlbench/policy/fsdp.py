@@ -21,6 +21,7 @@ from rlbench.batch import Batch
 from rlbench.models import lora as lora_adapters
 from rlbench.models.vision import vision_tower
 from rlbench.policy import checkpoint
+from rlbench.policy.router import RouterStats, recording, routers
 from rlbench.policy.forward import (batch_logp, chunk_tokens_for, drawn_logp, packs, rank_micro_batches,
                                    response_logits, response_stats)
 from rlbench.policy.training import (
@@ -74,6 +75,7 @@ class Policy:
         self.model = shard(model, world_size, device).eval()  # dropout off: see `Policy`
         self.optimizer = Optimizer(self.model, optim)
         self.finite_loss = True  # no non-finite loss since the last optim_step
+        self.router = RouterStats(self.model) if routers(self.model) else None  # a mixture of experts' routing
         self.before_backward: Callable[[], None] | None = None  # see `set_before_backward`
 
     def set_before_backward(self, fn: Callable[[], None] | None) -> None:
@@ -144,12 +146,15 @@ class Policy:
 
     def _micro_loss(self, micro: Batch, algorithm: alg.Algorithm, **counts) -> dict[str, torch.Tensor]:
         chunked = self.chunk_tokens and not algorithm.forward_kl_coef  # distillation reads the logits themselves
-        with autocast(self.precision, self.device):
+        router = self.router
+        with autocast(self.precision, self.device), recording(router):
             if chunked:
                 logp_B_T, entropy_B_T = response_stats(self.model, micro, temperature=self.temperature,
-                                                       chunk_tokens=self.chunk_tokens, attention=self.attention).unbind(-1)
+                                                       chunk_tokens=self.chunk_tokens, attention=self.attention,
+                                                       router=router).unbind(-1)
             else:
-                logits_B_T_V = response_logits(self.model, micro, self.temperature, self.attention)
+                logits_B_T_V = response_logits(self.model, micro, self.temperature, self.attention, router)
+        routing = router.metrics(micro["response_mask"]) if router is not None else {}
         if not chunked:
             entropy_B_T = alg.entropy_from_logits(logits_B_T_V)
             logp_B_T = alg.token_logp(logits_B_T_V, micro["response_ids"])
@@ -172,7 +177,7 @@ class Policy:
             loss_mask(micro), ref_logp_B_T=micro.tensors.get("ref_logp"),
             entropy_B_T=entropy_B_T if algorithm.entropy_coef else entropy_B_T.detach(),
             weights_B_T=micro.tensors.get("correction_weights"), **distill, **counts)
-        return metrics | mismatch | {"loss": loss}
+        return metrics | mismatch | routing | {"loss": loss}
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """What the sampler needs, unsharded on CPU on rank 0 (every rank takes part; the others get None):
