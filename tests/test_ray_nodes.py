@@ -64,7 +64,6 @@ def test_roles_go_to_the_nodes_with_their_resources_and_pack_fills_nodes(cluster
     roles = dict(policy="trainer", sampler="gen", rewards="head")
     with rl.Session(**CONFIG, cluster=rl.Ray(address=cluster.address, nodes=roles), world_size=2) as s:
         placed = where(s)
-        s.step()
     assert set(placed["policy"]) <= by_resource["trainer"]
     assert placed["sampler"] == list(by_resource["gen"]) and placed["rewards"] == list(by_resource["head"])
     # four processes of one CPU on nodes of two: two nodes, full
