@@ -69,6 +69,45 @@ def test_routing_is_read_at_the_response_positions_in_either_layout(moe):
     assert [len(router._forward_hooks) for router in routers(model)] == hooks  # closed: none of ours left
 
 
+def routing_agreement(model, precision: str, sequences: int = 8, length: int = 40, prompt: int = 8) -> float:
+    """The share of (token, layer) whose chosen experts are the same in a cached decode, token after token after a
+    prefill of `prompt` tokens (what the HF sampler runs), and in one forward over the whole sequence (what the trainer
+    runs), at the positions that predict the sampled tokens; random token ids, the same weights."""
+    chosen = []
+    hooks = [router.register_forward_hook(lambda module, inputs, out: chosen.append(out[2].sort(-1).values))
+             for router in routers(model)]
+    layers, same, total = len(hooks), 0, 0
+    g = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(sequences):
+            ids = torch.randint(3, 250, (1, length), generator=g)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                chosen.clear()
+                model(input_ids=ids, use_cache=False)
+                whole = chosen[:layers]
+                chosen.clear()
+                past = model(input_ids=ids[:, :prompt], use_cache=True).past_key_values
+                for t in range(prompt, length):
+                    past = model(input_ids=ids[:, t : t + 1], past_key_values=past, use_cache=True).past_key_values
+            decoded = [torch.cat(chosen[layer::layers]) for layer in range(layers)]
+            for layer in range(layers):
+                agree = (decoded[layer] == whole[layer]).all(-1)[prompt - 1 :]
+                same, total = same + int(agree.sum()), total + len(agree)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return same / total
+
+
+def test_the_samplers_routing_equals_the_trainers_in_fp32(moe):
+    # the mismatch MoE RL is known for: a token routed to other experts when sampled than when trained on. In fp32
+    # a cached decode routes every token as the whole-sequence forward does; under bf16 autocast a few flip
+    # (measured here: 1 of 528 token-layers)
+    model, _ = moe
+    assert routing_agreement(model, "fp32") == 1.0
+    assert 0.99 <= routing_agreement(model, "bf16") <= 1.0
+
+
 @pytest.mark.slow
 def test_tiny_moe_learns_arithmetic_and_logs_its_routing():
     # the quickstart's settings; measured on a fresh build: 0.31 -> 0.495 in 500 steps (~45 s on one thread)
