@@ -106,3 +106,11 @@ def test_a_placement_that_is_no_choice_is_named():
         rl.Ray(nodes="scatter")
     with pytest.raises(ValueError, match=r"roles among 'policy', .*'rewards' \(not 'trainer'\)"):
         rl.Ray(nodes={"trainer": "gpu_node"})
+
+
+def test_inline_workers_are_on_no_node():
+    import ray
+
+    here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""  # this process's node, or none
+    with rl.Session(**CONFIG, cluster="inline", threads=1) as s:
+        assert where(s) == {"policy": [here], "sampler": [here], "rewards": [here]}

@@ -194,11 +194,10 @@ class WorkerGroup:
         return self._get([self._send(h, "pid") for h in self._open()], "pid")
 
     def node_ids(self) -> list[str]:
-        """The Ray node each rank runs on (inline: this process's node, or "" without Ray)."""
+        """The Ray node each rank runs on (inline: this process's node, or "" where this process is on no Ray)."""
         if not self.ray:
-            import ray
-
-            return [ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""]
+            ray = sys.modules.get("ray")
+            return [ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else ""]
         return self._get([h.__ray_call__.remote(_node_id) for h in self._open()], "node_ids")
 
     def close(self) -> None:
