@@ -5,7 +5,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 from floats import approx
 
 import rlbench as rl
@@ -25,7 +24,7 @@ def test_parameter_counts_match_the_published_models():
     # Qwen2.5-0.5B's safetensors hold 494,032,768 parameters; DeepSeek-V3: 671B in all, 37B activated per token
     assert memory.parameters(memory.PUBLISHED["Qwen2.5-0.5B"]) == 494_032_768
     v3 = memory.PUBLISHED["DeepSeek-V3 (671B MoE)"]
-    assert memory.parameters(v3) / 1e9 == pytest.approx(671, rel=0.002)
+    assert 670.5e9 <= memory.parameters(v3) <= 671.5e9  # the published count, rounded to the billion
     assert 37e9 <= memory.parameters(v3, active=True) <= 38e9
 
 
