@@ -9,7 +9,7 @@ from floats import approx, assert_close
 
 import rlbench as rl
 from rlbench.policy.forward import response_outputs
-from rlbench.policy.router import RouterStats, recording, routers
+from rlbench.policy.router import METRICS, RouterStats, layer_stats, recording, routers
 
 QUICKSTART = dict(task="arithmetic", algorithm="grpo", cluster="inline", threads=1, log_dir=None, seed=0,
                   prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, lr=1e-4)
@@ -21,17 +21,14 @@ def moe():
 
 
 def test_router_metrics_worked_by_hand():
-    # two experts, one chosen per token; the positions read: 0 and 2 (position 1 is not a response's predictor).
-    # Router probabilities (.5, .5) and (.75, .25), both choose expert 0: shares f = (1, 0), mean probabilities
-    # P = (.625, .375); entropy mean (ln 2 + 0.5623) / 2 = 0.6277; aux loss 2 x (1 x .625 + 0 x .375) = 1.25
-    stats = RouterStats(torch.nn.Module())
-    stats.layers = [(torch.tensor([[0.0, 0.0], [5.0, -5.0], [math.log(3), 0.0]]), torch.tensor([[0], [0], [0]]))]
-    stats.at = torch.tensor([[0, 2]])
-    metrics = {k: float(v) for k, v in stats.metrics(torch.tensor([[1, 1]])).items()}
+    # two experts, one chosen per token; two tokens read. Router probabilities (.5, .5) and (.75, .25), both choose
+    # expert 0: shares f = (1, 0), mean probabilities P = (.625, .375); entropy mean (ln 2 + 0.5623) / 2 = 0.6277;
+    # aux loss 2 x (1 x .625 + 0 x .375) = 1.25
+    stats = layer_stats(torch.tensor([[0.0, 0.0], [math.log(3), 0.0]]), torch.tensor([[0], [0]]))
+    metrics = dict(zip(METRICS, stats.tolist()))
     entropy = (math.log(2) - (0.75 * math.log(0.75) + 0.25 * math.log(0.25))) / 2
     assert metrics == {"router_entropy": approx(entropy), "router_load_max": 1.0, "router_load_min": 0.0,
                        "router_imbalance": 2.0, "router_aux_loss": approx(1.25)}
-    assert stats.layers == [] and stats.at is None  # read once
 
 
 def test_routing_is_read_at_the_response_positions_in_either_layout(moe):
@@ -60,9 +57,13 @@ def test_routing_is_read_at_the_response_positions_in_either_layout(moe):
     hooks = [len(router._forward_hooks) for router in routers(model)]  # transformers' own (output_router_logits)
     for attention in ("packed", "per_sample"):
         stats = RouterStats(model)
-        with torch.no_grad(), recording(stats):
+        with torch.no_grad(), recording(stats, batch["response_mask"]):
             response_outputs(model, batch, attention, router=stats)
-        metrics = stats.metrics(batch["response_mask"])
+        metrics = stats.metrics()
+        assert stats.metrics() == {}  # read once
+        with torch.no_grad():
+            response_outputs(model, batch, attention, router=stats)  # not recording: nothing kept
+        assert stats.layers == []
         stats.close()
         assert_close(metrics["router_entropy"], torch.tensor(entropy), atol=1e-6, msg=attention)
         assert 1.0 <= float(metrics["router_imbalance"]) <= 4.0

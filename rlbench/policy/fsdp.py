@@ -147,14 +147,14 @@ class Policy:
     def _micro_loss(self, micro: Batch, algorithm: alg.Algorithm, **counts) -> dict[str, torch.Tensor]:
         chunked = self.chunk_tokens and not algorithm.forward_kl_coef  # distillation reads the logits themselves
         router = self.router
-        with autocast(self.precision, self.device), recording(router):
+        with autocast(self.precision, self.device), recording(router, micro["response_mask"]):
             if chunked:
                 logp_B_T, entropy_B_T = response_stats(self.model, micro, temperature=self.temperature,
                                                        chunk_tokens=self.chunk_tokens, attention=self.attention,
                                                        router=router).unbind(-1)
             else:
                 logits_B_T_V = response_logits(self.model, micro, self.temperature, self.attention, router)
-        routing = router.metrics(micro["response_mask"]) if router is not None else {}
+        routing = router.metrics() if router is not None else {}
         if not chunked:
             entropy_B_T = alg.entropy_from_logits(logits_B_T_V)
             logp_B_T = alg.token_logp(logits_B_T_V, micro["response_ids"])
