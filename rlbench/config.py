@@ -54,7 +54,12 @@ class Config:
     """"inline": every worker in this process (breakpoint() works anywhere); "ray": Ray actors on a private
     local Ray instance (or RAY_ADDRESS's cluster); `rl.Ray(address=...)` to join a given cluster."""
     world_size: int = 1
-    """Number of FSDP2 ranks of the policy (more than 1 needs Ray)."""
+    """Number of ranks (processes) of the policy, sharded with FSDP2 (more than 1 needs Ray)."""
+    tensor_parallel: int = 1
+    """Ranks that split each transformer block's attention heads and MLP between them (Megatron-style tensor parallel
+    on a 2-D device mesh, dense Qwen2 / Llama-family blocks), inside FSDP2: world_size / tensor_parallel data-parallel
+    groups of tensor_parallel consecutive ranks, a group's ranks taking the same rows. The reference and a teacher
+    split the same way; a critic (PPO) and LoRA are refused. 1: FSDP2 alone."""
     placement: str = "colocated"
     """Reference, teacher and critic ranks: "colocated" in the policy's rank processes, or "separate" worker groups
     (under LoRA the reference is always the policy's ranks with the adapter off)."""
@@ -246,11 +251,16 @@ class Config:
         self._check_together()
         return self
 
+    @property
+    def data_parallel(self) -> int:
+        """The policy's data-parallel groups: world_size / tensor_parallel (each takes its own rows)."""
+        return self.world_size // self.tensor_parallel
+
     def _check_numbers(self) -> None:
         """Each number finite and in its field's range (a None, where the hint allows it, passes)."""
-        for name in ["world_size", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "mini_batches_per_step",
-                     "epochs_per_step", "micro_batch_tokens", "eval_samples", "lr_decay_steps", "reward_workers",
-                     "rollout_workers"]:
+        for name in ["world_size", "tensor_parallel", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
+                     "mini_batches_per_step", "epochs_per_step", "micro_batch_tokens", "eval_samples", "lr_decay_steps",
+                     "reward_workers", "rollout_workers"]:
             self._require(name, lambda v: v > 0, "a positive integer")
         for name in ["lr_warmup_steps", "top_k", "threads", "save_every", "keep_last", "max_skipped_updates",
                      "max_staleness", "logit_chunk_tokens"]:
@@ -312,10 +322,18 @@ class Config:
         if self.micro_batch_tokens < longest:
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one sequence of up to {longest} "
                              f"tokens (max_prompt_tokens + max_new_tokens): raise it to at least {longest}")
+        if self.world_size % self.tensor_parallel:
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} does not divide world_size={self.world_size}: the "
+                             f"ranks form world_size / tensor_parallel groups of tensor_parallel ranks")
+        if self.tensor_parallel > 1 and self.lora is not None:
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} with lora: the adapters wrap the projections that "
+                             f"tensor parallel splits; use one of them")
         rows = self.prompts_per_step * self.samples_per_prompt
-        if rows // self.mini_batches_per_step < self.world_size:
+        if rows // self.mini_batches_per_step < self.data_parallel:
+            groups = (f"the {self.data_parallel} data-parallel groups of world_size={self.world_size}, tensor_parallel="
+                      f"{self.tensor_parallel}" if self.tensor_parallel > 1 else f"world_size={self.world_size} ranks")
             raise ValueError(f"a mini-batch of {rows // self.mini_batches_per_step} samples cannot be split across "
-                             f"world_size={self.world_size} ranks: raise prompts_per_step or samples_per_prompt")
+                             f"{groups}: raise prompts_per_step or samples_per_prompt")
         if self.on_policy_old_logp and (self.epochs_per_step > 1 or self.mini_batches_per_step > 1):
             raise ValueError("on_policy_old_logp needs epochs_per_step=1 and mini_batches_per_step=1: later "
                              "optimizer steps of a batch are off-policy and need the recorded old_logp")

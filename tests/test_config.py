@@ -27,6 +27,9 @@ BAD = [  # (field, value, the start of the error)
     ("world_size", 0, "world_size must be a positive integer, got 0"),
     ("world_size", True, "world_size: expected int, got True (bool)"),  # a bool is not an int here
     ("world_size", 2, "world_size=2 needs cluster='ray'"),
+    ("tensor_parallel", 0, "tensor_parallel must be a positive integer, got 0"),
+    ("tensor_parallel", 2.0, "tensor_parallel: expected int, got 2.0 (float)"),
+    ("tensor_parallel", 2, "tensor_parallel=2 does not divide world_size=1"),
     ("placement", "spread", "placement='spread' is not one of: 'colocated', 'separate'"),
     ("placement", None, "placement: expected str, got None (NoneType)"),
     ("device", "tpu", "device='tpu' is not one of: 'auto', 'cpu', 'cuda'"),

@@ -49,17 +49,20 @@ class Policy:
     """One rank of the trainable policy. Its methods are what a training loop calls: `log_probs`,
     `forward_backward` (any number of times, gradients accumulate), then `optim_step`.
 
+    `tensor_parallel` > 1: each transformer block split that many ways inside FSDP2 (`training.shard`); the ranks of a
+    tensor-parallel group are given the same rows, and the gradient is summed over the `data_parallel` groups.
+
     The model trains in eval mode: dropout off (a model's config may set some, e.g. GPT-2's 0.1), so that
     `old_logp` is the sampler's distribution and the on-policy ratio is exactly 1; gradients flow as usual.
     """
 
     def __init__(self, model_dir: str, optim: OptimSettings, *, rank: int = 0, world_size: int = 1,
-                 init_method: str | None = None, temperature: float = 1.0, micro_batch_tokens: int = 4096,
+                 tensor_parallel: int = 1, init_method: str | None = None, temperature: float = 1.0, micro_batch_tokens: int = 4096,
                  device: str = "cpu", precision: str = "fp32", attention: str = "auto",
                  activation_checkpointing: bool = False, lora: lora_adapters.LoRA | None = None, seed: int = 0,
                  logit_chunk_tokens: int | None = None, freeze_vision: bool = False):
         init_process_group(rank, world_size, init_method, device)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.data_parallel = rank, world_size, world_size // tensor_parallel
         self.temperature, self.micro_batch_tokens, self.device = temperature, micro_batch_tokens, device
         self.precision, self.attention = precision, attention
         self.model_dir, self.lora = model_dir, lora
@@ -72,7 +75,7 @@ class Policy:
             model = lora_adapters.wrap(model, lora, seed)
         if activation_checkpointing:
             checkpoint_blocks(model)
-        self.model = shard(model, world_size, device).eval()  # dropout off: see `Policy`
+        self.model = shard(model, world_size, device, tensor_parallel=tensor_parallel).eval()  # dropout off: see `Policy`
         self.optimizer = Optimizer(self.model, optim)
         self.finite_loss = True  # no non-finite loss since the last optim_step
         self.router = RouterStats(self.model) if routers(self.model) else None  # a mixture of experts' routing
@@ -114,7 +117,7 @@ class Policy:
             self.finite_loss &= math.isfinite(float(terms["loss"].detach()))
             if self.before_backward is not None:
                 self.before_backward()
-            backward(terms["loss"], self.world_size)
+            backward(terms["loss"], self.data_parallel)
             share = float(loss_mask(micro).sum()) / max(num_tokens, 1)
             for name, value in terms.items():
                 if name in MAX_TERMS or name in MIN_TERMS:

@@ -14,16 +14,17 @@ from rlbench.policy.training import autocast, init_process_group, shard
 
 
 class Reference:
-    """A frozen model, sharded with FSDP2 over ranks of its own or the policy's: the initial policy (the reference),
-    or a distillation teacher (`vocab`: the policy's vocabulary size, which the teacher's top-k stays within)."""
+    """A frozen model, sharded with FSDP2 (and split `tensor_parallel` ways as the policy is) over ranks of its own or
+    the policy's: the initial policy (the reference), or a distillation teacher (`vocab`: the policy's vocabulary size,
+    which the teacher's top-k stays within)."""
 
-    def __init__(self, model_dir: str, *, rank: int = 0, world_size: int = 1, init_method: str | None = None,
-                 temperature: float = 1.0, micro_batch_tokens: int = 4096, device: str = "cpu",
+    def __init__(self, model_dir: str, *, rank: int = 0, world_size: int = 1, tensor_parallel: int = 1,
+                 init_method: str | None = None, temperature: float = 1.0, micro_batch_tokens: int = 4096, device: str = "cpu",
                  attention: str = "auto", vocab: int | None = None, precision: str = "fp32",
                  logit_chunk_tokens: int | None = None):
         init_process_group(rank, world_size, init_method, device)
         model = models.from_pretrained(AutoModelForCausalLM, model_dir).requires_grad_(False)
-        self.model = shard(model, world_size, device).eval()
+        self.model = shard(model, world_size, device, tensor_parallel=tensor_parallel).eval()
         self.rank, self.world_size, self.device, self.precision = rank, world_size, device, precision
         self.temperature, self.micro_batch_tokens, self.attention = temperature, micro_batch_tokens, attention
         self.vocab = vocab

@@ -1,4 +1,5 @@
-"""What every trainable worker shares: the process group, FSDP2 sharding, AdamW with clipping and a schedule."""
+"""What every trainable worker shares: the process group, FSDP2 sharding (with tensor parallel inside each transformer
+block when asked), AdamW with clipping and a schedule."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from rlbench.algorithms import to_float
 
@@ -61,8 +63,7 @@ class Optimizer:
         """Clip, step and advance the schedule. A non-finite gradient norm, or `finite_loss=False`, skips
         the step and leaves weights and optimizer state as they were (recorded in the returned metrics)."""
         max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
-        grad_norm = to_float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        grad_norm = to_float(clip_grad_norm(self.parameters, max_norm))
         finite_grad = math.isfinite(grad_norm)
         if finite_grad and finite_loss:
             self.adamw.step()
@@ -71,6 +72,26 @@ class Optimizer:
         self.zero_grad()
         return {"grad_norm": grad_norm, "skipped": float(not (finite_grad and finite_loss)), "lr": lr,
                 "nonfinite_loss": float(not finite_loss), "nonfinite_grad": float(not finite_grad)}
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global 2-norm is at most `max_norm`; the norm before, as a plain tensor.
+
+    Under tensor parallel the parameters are DTensors on two meshes (a block's projections on (dp, tp), the
+    embeddings and norms on dp alone), which torch's `clip_grad_norm_` cannot reduce together: each mesh's norm is
+    reduced over its own ranks, and the global norm is the root of their squares' sum."""
+    by_mesh: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    if len(by_mesh) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
+    norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+    return norm
 
 
 def lr_lambda(schedule: str, warmup_steps: int, decay_steps: int):
@@ -116,15 +137,25 @@ def autocast(precision: str, device: str):
     return torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
 
-def shard(model: torch.nn.Module, world_size: int, device: str = "cpu", *, even_alone: bool = False) -> torch.nn.Module:
+def shard(model: torch.nn.Module, world_size: int, device: str = "cpu", *, tensor_parallel: int = 1,
+          even_alone: bool = False) -> torch.nn.Module:
     """FSDP2 over a one-dimensional mesh of `device` ("cpu": gloo, "cuda": NCCL): each transformer block,
     then the root. At world size 1 the model stays unsharded: one-rank FSDP2 would only add its hooks and
     DTensor dispatch (a fifth of tiny-arith's update time), and its checkpoints load either way; `even_alone`
-    shards it all the same, on the code path of N ranks (in a process group of one, which the caller made)."""
+    shards it all the same, on the code path of N ranks (in a process group of one, which the caller made).
+
+    `tensor_parallel` > 1: a two-dimensional mesh, world_size / tensor_parallel data-parallel groups of
+    `tensor_parallel` consecutive ranks. Within a group each decoder block's projections are split
+    (`split_blocks`); FSDP2 then shards every parameter over the data-parallel dimension."""
     model.to(device)
     if world_size == 1 and not even_alone:
         return model
-    mesh = init_device_mesh(device, (world_size,))
+    if tensor_parallel > 1:
+        mesh_2d = init_device_mesh(device, (world_size // tensor_parallel, tensor_parallel), mesh_dim_names=("dp", "tp"))
+        split_blocks(model, mesh_2d["tp"])
+        mesh = mesh_2d["dp"]
+    else:
+        mesh = init_device_mesh(device, (world_size,))
     for module in model.modules():
         if type(module).__name__ in (getattr(model, "_no_split_modules", None) or []):
             fully_shard(module, mesh=mesh)
@@ -132,13 +163,63 @@ def shard(model: torch.nn.Module, world_size: int, device: str = "cpu", *, even_
     return model
 
 
-def backward(loss: torch.Tensor, world_size: int) -> None:
+TENSOR_PARALLEL_PLAN = {"self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel,
+                        "self_attn.v_proj": ColwiseParallel, "self_attn.o_proj": RowwiseParallel,
+                        "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel, "mlp.down_proj": RowwiseParallel}
+"""Megatron's split of a Qwen2 / Llama decoder block: the query, key, value, gate and up projections by output rows
+(each rank its own attention heads and MLP columns, no communication), the attention output and down projections by
+input columns (one all-reduce each, forward and backward). The embeddings, norms and output head are whole on every
+rank of a tensor-parallel group."""
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a causal LM's decoder (`_no_split_modules` with a `self_attn`)."""
+    names = getattr(model, "_no_split_modules", None) or []
+    return [m for m in model.modules() if type(m).__name__ in names and hasattr(m, "self_attn")]
+
+
+def check_tensor_parallel(model: torch.nn.Module, size: int) -> None:
+    """ValueError naming what keeps `model` from a `size`-way `TENSOR_PARALLEL_PLAN`: heads or MLP width not
+    divisible, or blocks that are not dense Qwen2 / Llama-family blocks (a mixture of experts)."""
+    name = type(model).__name__
+    blocks = decoder_blocks(model)
+    if not blocks or not all(_is_linear(block, path) for block in blocks for path in TENSOR_PARALLEL_PLAN):
+        raise ValueError(f"tensor_parallel={size}: {name}'s decoder blocks are not dense Qwen2 / Llama-family blocks "
+                         f"(linear {', '.join(TENSOR_PARALLEL_PLAN)}; a mixture of experts has no dense MLP): use FSDP "
+                         f"alone (tensor_parallel=1)")
+    config = model.config.get_text_config()
+    sizes = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+             "intermediate_size": config.intermediate_size}
+    uneven = [f"{key}={value}" for key, value in sizes.items() if value % size]
+    if uneven:
+        raise ValueError(f"tensor_parallel={size} does not divide {name}'s {', '.join(uneven)}: each rank takes an "
+                         f"equal share of the heads and the MLP width")
+
+
+def _is_linear(module: torch.nn.Module, path: str) -> bool:
+    try:
+        return isinstance(module.get_submodule(path), torch.nn.Linear)
+    except AttributeError:
+        return False
+
+
+def split_blocks(model: torch.nn.Module, mesh) -> None:
+    """Tensor parallel over the one-dimensional `mesh`: `TENSOR_PARALLEL_PLAN` in every decoder block. Each rank's
+    attention then runs on its own heads: transformers' attention reshapes its projections by head size, so the
+    local projections give the local heads."""
+    check_tensor_parallel(model, mesh.size())
+    for block in decoder_blocks(model):
+        parallelize_module(block, mesh, {path: style() for path, style in TENSOR_PARALLEL_PLAN.items()})
+
+
+def backward(loss: torch.Tensor, data_parallel: int) -> None:
     """Backpropagate a rank's share of a loss reduced with the mini-batch's global counts.
 
-    Such shares add up to the mini-batch loss, so rank gradients must be summed; FSDP2 averages them over
-    the world size (gloo has no pre-scaled sum), hence the factor.
+    Such shares add up to the mini-batch loss, so the gradients of the `data_parallel` groups (ranks, without
+    tensor parallel) must be summed; FSDP2 averages them over the groups (gloo has no pre-scaled sum), hence the factor.
     """
-    (loss * world_size).backward()
+    (loss * data_parallel).backward()
 
 
 def full_state_dict(model: torch.nn.Module, rank: int, world_size: int,

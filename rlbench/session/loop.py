@@ -204,7 +204,8 @@ class Session:
     def update(self, batch: Batch, *, sync: bool = True) -> dict[str, float]:
         """Optimizer step(s) over the batch (and the critic's, if any), then push the new weights to the
         sampler (unless `sync=False`); returns the metrics averaged over optimizer steps. A batch with fewer
-        than `world_size x mini_batches_per_step` rows (dynamic sampling kept few groups) takes fewer steps.
+        than `world_size x mini_batches_per_step` rows (under tensor parallel, data-parallel groups instead of ranks;
+        dynamic sampling kept few groups) takes fewer steps.
         Ctrl-C finishes the update, then stops; twice within a second stops it at once, and the session then refuses
         to go on (update, step, save), as after a step stopped midway: see `rl.interrupts`."""
         if self._aborted is not None:  # (a stopped update may have left gradients that the next one would add to)
@@ -212,10 +213,11 @@ class Session:
         self._check_origin(batch, "update")
         cfg = self.config
         # dynamic sampling may keep fewer rows than planned: then fewer mini-batches, each with a row per rank
-        minis = min(cfg.mini_batches_per_step, len(batch) // cfg.world_size)
+        minis = min(cfg.mini_batches_per_step, len(batch) // cfg.data_parallel)
         if minis == 0:
-            raise ValueError(f"update: the batch has {len(batch)} rows, fewer than world_size={cfg.world_size} (every "
-                             f"rank needs a row)")
+            raise ValueError(f"update: the batch has {len(batch)} rows, fewer than the policy's {cfg.data_parallel} "
+                             f"data-parallel ranks (world_size={cfg.world_size}, tensor_parallel={cfg.tensor_parallel}; "
+                             f"each needs a row)")
         with self._finishing("the update"):  # (inside step(): part of the step's)
             self.sampler.before_update()  # (vLLM with vllm_sleep frees the GPU it shares with the policy)
             with self._timed("update"):

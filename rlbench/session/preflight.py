@@ -53,6 +53,7 @@ def prepare(cfg: Config, algorithm: Algorithm, task):
     mode_of(cfg).check(cfg, algorithm, task)
     model_dir = str(models.resolve(cfg.model))
     tokenizer = models.load_tokenizer(model_dir)
+    check_tensor_parallel(cfg, model_dir)
     check_images(cfg, task)
     if cfg.freeze_vision and not models.vision.has_vision(model_dir):
         raise ValueError(f"freeze_vision=True, but model {cfg.model!r} has no vision tower (its config.json has no "
@@ -88,6 +89,7 @@ def teacher(cfg: Config, tokenizer, task) -> str | None:
     if cfg.teacher is None:
         return None
     teacher_dir = str(models.resolve(cfg.teacher))
+    check_tensor_parallel(cfg, teacher_dir, "teacher")
     models.check_same_tokenizer(tokenizer, models.load_tokenizer(teacher_dir), teacher_dir, "teacher")
     longest = None
     if not isinstance(task, tasks.AgentTask):  # an episode's turns are checked as they come
@@ -138,6 +140,31 @@ def check_algorithm(cfg: Config, algorithm: Algorithm) -> None:
                          f"completion, so algorithm {algorithm.name!r}, which compares them (its advantage declares "
                          f"group_ids), gives every one an advantage of 0 and trains nothing: sample with temperature > 0 "
                          f"and top_k 0 or above 1 (evaluate() is greedy on its own)")
-    if algorithm.filter_groups and cfg.samples_per_prompt < cfg.world_size:
+    if algorithm.filter_groups and cfg.samples_per_prompt < cfg.data_parallel:
         raise ValueError(f"dynamic sampling may keep a single group of samples_per_prompt={cfg.samples_per_prompt} "
-                         f"rows, fewer than world_size={cfg.world_size} ranks: raise samples_per_prompt")
+                         f"rows, fewer than the policy's {cfg.data_parallel} data-parallel ranks (world_size="
+                         f"{cfg.world_size}, tensor_parallel={cfg.tensor_parallel}): raise samples_per_prompt")
+    if cfg.tensor_parallel > 1 and algorithm.needs_critic:
+        raise ValueError(f"tensor_parallel={cfg.tensor_parallel}: algorithm {algorithm.name!r} trains a critic, whose "
+                         f"value head tensor parallel does not split: use FSDP alone (tensor_parallel=1)")
+
+
+def check_tensor_parallel(cfg: Config, model_dir: str, role: str = "model") -> None:
+    """A ValueError naming why `model_dir` cannot be split `cfg.tensor_parallel` ways (`training.check_tensor_parallel`,
+    on the model built without weights; a vision-language model is refused)."""
+    if cfg.tensor_parallel == 1:
+        return
+    if models.vision.has_vision(model_dir):
+        raise ValueError(f"tensor_parallel={cfg.tensor_parallel}: the {role} {model_dir} is a vision-language model, "
+                         f"which tensor parallel does not split: use FSDP alone (tensor_parallel=1)")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlbench.policy.training import check_tensor_parallel as check_blocks
+
+    with torch.device("meta"), models.quiet_transformers():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    try:
+        check_blocks(model, cfg.tensor_parallel)
+    except ValueError as error:
+        raise ValueError(f"the {role} {model_dir}: {error}") from None

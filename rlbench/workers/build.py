@@ -182,10 +182,11 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
                           lr_decay_steps=cfg.lr_decay_steps)
     common = dict(model_dir=model_dir, micro_batch_tokens=cfg.micro_batch_tokens, device=device, attention=cfg.attention)
 
-    def group(name: str, size: int, concurrency: int = 1, env: dict[str, str] | None = None) -> WorkerGroup:
+    def group(name: str, size: int, concurrency: int = 1, env: dict[str, str] | None = None,
+              replicas: int = 1) -> WorkerGroup:
         workers = WorkerGroup(name, size, ray=ray is not None, threads=threads, cpus=cfg.cpus_per_worker,
                               gpus=gpus if name not in ("rewards", "envs") else 0, concurrency=concurrency, env=env,
-                              placer=placer)
+                              placer=placer, replicas=replicas)
         groups.append(workers)
         return workers
 
@@ -195,11 +196,12 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
                 for r in range(workers.size)]
 
     # every group's processes first, so that they all start (import, connect) at once; then every build at once
-    policy = group("policy", cfg.world_size)
+    policy = group("policy", cfg.world_size, replicas=cfg.tensor_parallel)
     lora_reference = algorithm.needs_reference and cfg.lora is not None  # the policy with its adapter off
     own = {"reference": algorithm.needs_reference and not lora_reference, "teacher": teacher_dir is not None,
            "critic": algorithm.needs_critic}
-    on = {part: (group(part, cfg.world_size) if separate else policy) for part, wanted in own.items() if wanted}
+    on = {part: (group(part, cfg.world_size, replicas=1 if part == "critic" else cfg.tensor_parallel) if separate
+                 else policy) for part, wanted in own.items() if wanted}
     factory, kwargs, choice, why = _sampler_factory(cfg, model_dir, device, images=tasks.has_images(task))
     # each rollout worker runs a rollout, a weights push and an evaluation at once
     samplers = [group(f"rollout-{i}", 1, concurrency=4) for i in range(rollout_workers)] or [group("sampler", 1)]
@@ -209,7 +211,8 @@ def _build(cfg: Config, algorithm: Algorithm, task, model_dir: str, tokenizer, t
     if ray is not None:
         _wait_started(groups)
 
-    heads = dict(precision=cfg.precision, logit_chunk_tokens=cfg.logit_chunk_tokens)  # the causal LMs' forwards
+    # the causal LMs' forwards and their split (a critic, refused under tensor parallel, has neither)
+    heads = dict(precision=cfg.precision, logit_chunk_tokens=cfg.logit_chunk_tokens, tensor_parallel=cfg.tensor_parallel)
     builds = [policy.start_build("policy", Policy, ranks(
         policy, optim=optim, temperature=cfg.temperature, activation_checkpointing=cfg.activation_checkpointing,
         lora=cfg.lora, freeze_vision=cfg.freeze_vision, seed=cfg.seed, **heads))]

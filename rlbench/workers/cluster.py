@@ -112,11 +112,13 @@ class WorkerGroup:
     """`size` hosts: inline objects (size must be 1) or Ray actors with `cpus` CPUs each. `threads`: torch
     threads of each host process (None: leave the process's own, for an inline host in the user's process).
     `concurrency`: calls a Ray host runs at once, in threads (a rollout worker takes weights while it samples).
-    `env`: environment variables of a Ray host's process (besides `WORKER_ENV`)."""
+    `env`: environment variables of a Ray host's process (besides `WORKER_ENV`). `replicas`: consecutive ranks that
+    take the same rows and return the same results (a tensor-parallel group, `Config.tensor_parallel`)."""
 
     def __init__(self, name: str, size: int, *, ray: bool, threads: int | None = 1, cpus: float = 1.0, gpus: float = 0,
-                 concurrency: int = 1, env: dict[str, str] | None = None, placer: Placer | None = None):
-        self.name, self.size, self.ray = name, size, ray
+                 concurrency: int = 1, env: dict[str, str] | None = None, placer: Placer | None = None,
+                 replicas: int = 1):
+        self.name, self.size, self.ray, self.replicas = name, size, ray, replicas
         if not ray:
             if size != 1:
                 raise ValueError(f"an inline worker group has one rank, not {size}: use cluster='ray'")
@@ -167,9 +169,10 @@ class WorkerGroup:
         return futures[rank]
 
     def map_rows(self, name: str, method: Callable, batch: Batch, **kwargs) -> Pending:
-        """Split rows across ranks (balanced by tokens) and start the call; its result puts the `[rows, T]` (or
-        `[rows, T, k]`) results back in the batch's row order (zero-padded to the widest)."""
-        index = balance(batch, self.size)
+        """Split rows across ranks (balanced by tokens; each group of `replicas` ranks the same rows) and start the
+        call; its result puts the `[rows, T]` (or `[rows, T, k]`) results back in the batch's row order (zero-padded to
+        the widest)."""
+        index = balance(batch, self.size // self.replicas)
 
         def merge(parts: list[torch.Tensor]) -> torch.Tensor:
             out = parts[0].new_zeros((len(batch), max(p.shape[1] for p in parts), *parts[0].shape[2:]))
@@ -177,12 +180,18 @@ class WorkerGroup:
                 out[torch.tensor(rows, dtype=torch.long), : part.shape[1]] = part
             return out
 
-        return self.submit_each(name, method, [(_shard(batch, rows),) for rows in index], **kwargs).then(merge)
+        return self._map(name, method, batch, index, **kwargs).then(merge)
 
     def map_shards(self, name: str, method: Callable, batch: Batch, **kwargs) -> Pending:
-        """Split rows across ranks (balanced by tokens) and start the call; its result is one per rank."""
-        return self.submit_each(name, method, [(_shard(batch, rows),) for rows in balance(batch, self.size)],
-                                **kwargs)
+        """Split rows across ranks (balanced by tokens; each group of `replicas` ranks the same rows) and start the
+        call; its result is one per group of replicas (its first rank's)."""
+        return self._map(name, method, batch, balance(batch, self.size // self.replicas), **kwargs)
+
+    def _map(self, name: str, method: Callable, batch: Batch, index: list[list[int]], **kwargs) -> Pending:
+        """`method` on each rank with its group's rows `index[rank // replicas]`; the first rank's result of each group."""
+        shards = [_shard(batch, rows) for rows in index]
+        return self.submit_each(name, method, [(shards[r // self.replicas],) for r in range(self.size)],
+                                **kwargs).then(lambda per_rank: per_rank[:: self.replicas])
 
     def rendezvous(self) -> str | None:
         """A tcp:// address on rank 0's machine for torch.distributed (None for a one-rank group)."""
