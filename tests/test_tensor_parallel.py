@@ -124,3 +124,70 @@ def test_a_mixture_of_experts_is_not_split_as_a_dense_block():
         model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM's decoder blocks are not dense"):
         check_tensor_parallel(model, 2)
+
+
+RANK = """
+import sys
+import torch
+import rlbench as rl
+from rlbench.batch import Batch
+from rlbench.policy import Policy
+from rlbench.policy.training import OptimSettings
+torch.set_num_threads(1)
+model_dir, rank, world, tp, address, out = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5], sys.argv[6]
+g = torch.Generator().manual_seed(0)
+rows, prompt, response = 4, 6, 10
+response_mask = (torch.arange(response) < torch.tensor([[10], [7], [3], [9]])).long()
+batch = Batch(dict(prompt_ids=torch.randint(3, 250, (rows, prompt), generator=g),
+                   prompt_mask=torch.ones(rows, prompt, dtype=torch.long),
+                   response_ids=torch.randint(3, 250, (rows, response), generator=g) * response_mask,
+                   response_mask=response_mask, advantages=torch.randn(rows, response, generator=g) * response_mask,
+                   sampler_logp=torch.zeros(rows, response)))
+policy = Policy(model_dir, OptimSettings(lr=1e-3), rank=rank, world_size=world, tensor_parallel=tp,
+                init_method=address if world > 1 else None)
+logp = policy.log_probs(batch)
+terms, step = policy.train_step(batch, rl.algorithms.get("grpo").replace(kl_coef=0.0),
+                                num_tokens=int(response_mask.sum()), num_seqs=rows, norm_length=response)
+state = policy.state_dict()
+if rank == 0:
+    torch.save(dict(logp=logp, terms=terms, step=step, state=state), out)
+"""
+
+
+def test_a_llama_split_two_ways_computes_one_ranks_numbers(tmp_path):
+    """A random Llama (no q/k/v bias, untied head) on a 1 x 2 mesh, its ranks run as plain processes over gloo: the
+    log-probs, one step's loss and gradient norm, and the weights after it, as one unsplit rank computes them."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                 max_position_embeddings=64)).save_pretrained(tmp_path / "llama")
+    env = os.environ | {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+    def run(world: int, tp: int) -> dict:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        out = tmp_path / f"{world}x{tp}.pt"
+        ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "llama"), str(rank), str(world), str(tp),
+                                   address, str(out)], env=env, stderr=subprocess.PIPE, text=True)
+                 for rank in range(world)]
+        for rank in ranks:
+            assert rank.wait(timeout=300) == 0, rank.stderr.read()[-3000:]
+        return torch.load(out, weights_only=False)
+
+    alone, split = run(1, 1), run(2, 2)
+    assert_close(split["logp"], alone["logp"], msg="log-probs")
+    assert alone["step"]["grad_norm"] > 1.0  # grad_clip=1 clips it: the combined norm scales both meshes' gradients
+    for name in ["loss", "pg_loss"]:
+        assert_close(split["terms"][name], alone["terms"][name], msg=name)
+    assert_close(split["step"]["grad_norm"], alone["step"]["grad_norm"], msg="grad_norm")
+    assert split["state"].keys() == alone["state"].keys()
+    for name, value in alone["state"].items():
+        assert_close(split["state"][name], value, atol=1e-5, msg=name)  # 1e-5: after an lr-1e-3 step
