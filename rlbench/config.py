@@ -31,8 +31,9 @@ class Config:
     algorithm: Any = "grpo"
     """A preset name (`rl.algorithms.names()`) or an `rl.algorithms.Algorithm`."""
     sampler: Any = "auto"
-    """"hf" (transformers decode loop), "vllm", "auto" (vLLM on a GPU where installed, else hf; the session's
-    `s.sampler.choice` says which, `s.sampler.why` why), or a Sampler object (inline only)."""
+    """"hf" (transformers decode loop), "vllm", "sglang" (SGLang's engine; its context length is vllm_max_model_len's),
+    "auto" (vLLM on a GPU where installed, else hf; the session's `s.sampler.choice` says which, `s.sampler.why` why),
+    or a Sampler object (inline only)."""
     vllm: Any = None
     """The vLLM sampler's knobs together, `rl.VLLM(sleep=True, gpu_memory_utilization=0.5)`: the vllm_* fields
     below, which it sets (a recipe's [vllm] table is the same)."""

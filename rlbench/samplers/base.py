@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -74,3 +76,60 @@ def as_tensors(state_dict: dict) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state_dict.items()}
+
+
+def max_positions(model_dir: Path) -> int | None:
+    """A model directory's context length (its config's `max_position_embeddings`), or None where it names none."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+
+
+def checkpoint_names(model_dir: Path) -> set[str] | None:
+    """The tensor names of a model directory's safetensors checkpoint (None if it has none)."""
+    from safetensors import safe_open
+
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names = set()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names |= set(f.keys())
+    return names or None
+
+
+def fit_checkpoint(state: dict, names: set[str] | None) -> dict:
+    """The entries of a full state dict that an engine built from a checkpoint with tensors `names` takes, in name
+    order (a tied LM head, which the policy exports and the checkpoint does not store, left out); a ValueError naming
+    what is missing and what is unexpected. `names` None (no safetensors checkpoint): `state` as it is."""
+    if names is None:
+        return state
+    unexpected, missing = set(state) - names - {"lm_head.weight"}, names - set(state)
+    if unexpected or missing:
+        raise ValueError(f"weights do not fit the sampler's model: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
+    return {name: state[name] for name in sorted(names)}
+
+
+def completions(ids: Sequence[Sequence[int]], logps: Sequence[Sequence[float]], finished: Sequence[bool],
+                pad_token_id: int) -> Batch:
+    """An engine's completions as the protocol's Batch: right-padded `response_ids`, `response_mask`, `sampler_logp`
+    `[B, T]` and `finished` `[B]`."""
+    B, T = len(ids), max([len(row) for row in ids] + [1])
+    ids_B_T = torch.full((B, T), pad_token_id, dtype=torch.long)
+    logp_B_T = torch.zeros((B, T))
+    mask_B_T = torch.zeros((B, T), dtype=torch.long)
+    for i, (row, logp) in enumerate(zip(ids, logps)):
+        ids_B_T[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        logp_B_T[i, : len(row)] = torch.tensor(logp, dtype=torch.float32)
+        mask_B_T[i, : len(row)] = 1
+    return Batch({"response_ids": ids_B_T, "response_mask": mask_B_T, "sampler_logp": logp_B_T,
+                  "finished": torch.tensor(list(finished), dtype=torch.bool)})
+
+
+def special_ids(model_dir) -> dict[str, int]:
+    """The EOS and pad ids of a local model directory's tokenizer, as an engine sampler's constructor takes them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

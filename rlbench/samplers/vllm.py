@@ -32,7 +32,6 @@ import contextlib
 import gc
 import importlib.metadata
 import importlib.util
-import json
 import os
 import random
 import shutil
@@ -47,7 +46,8 @@ import torch
 
 from rlbench.batch import Batch
 from rlbench.models.lora import LoRA, adapter_state, save_adapter, wrap
-from rlbench.samplers.base import SamplingParams, as_tensors
+from rlbench.samplers.base import (SamplingParams, as_tensors, checkpoint_names, completions, fit_checkpoint, max_positions,
+                                   special_ids)
 
 CPU_KV_CACHE_BYTES = 256 << 20
 """KV cache of a CPU engine when none is given: about 10k tokens of a 0.5B Qwen2 in fp32."""
@@ -111,12 +111,12 @@ class VLLMSampler:
         self._packing_threads = _cpu_packing_threads if on_cpu else None
         self.pad_token_id = pad_token_id
         self.stop_token_ids = sorted({eos_token_id, *stop_token_ids})
-        self.weight_names = _checkpoint_names(Path(model_dir))
+        self.weight_names = checkpoint_names(Path(model_dir))
         self.model_dir, self.lora = str(model_dir), lora
         self.adapter_shapes = _adapter_shapes(Path(model_dir), lora) if lora is not None else None
         """Name -> shape of every tensor `load_weights` takes under LoRA (peft's live names)."""
         self._lora_request = None  # the adapter every request applies (None: the base model)
-        limit = _max_positions(Path(model_dir))
+        limit = max_positions(Path(model_dir))
         memory = (dict(kv_cache_memory_bytes=kv_cache_bytes or CPU_KV_CACHE_BYTES) if on_cpu else
                   dict(kv_cache_memory_bytes=kv_cache_bytes) if kv_cache_bytes else
                   dict(gpu_memory_utilization=gpu_memory_utilization or GPU_MEMORY_UTILIZATION))
@@ -138,10 +138,7 @@ class VLLMSampler:
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, **settings) -> VLLMSampler:
         """A sampler over a local model directory, with the EOS and pad ids of its tokenizer."""
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        return cls(model_dir, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **settings)
+        return cls(model_dir, **special_ids(model_dir), **settings)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
         from vllm import SamplingParams as VLLMParams
@@ -164,24 +161,10 @@ class VLLMSampler:
         outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids],
                                     [request(seed) for seed in seeds], use_tqdm=False,
                                     lora_request=self._lora_request)
-        completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
-        return self._to_batch(completions, stops)
-
-    def _to_batch(self, completions, stops: list[int]) -> Batch:
-        """Right-padded `response_ids`, `response_mask`, `sampler_logp` `[B, T]` and `finished` `[B]`."""
-        B, T = len(completions), max([len(c.token_ids) for c in completions] + [1])
-        ids_B_T = torch.full((B, T), self.pad_token_id, dtype=torch.long)
-        logp_B_T = torch.zeros((B, T))
-        mask_B_T = torch.zeros((B, T), dtype=torch.long)
-        for i, c in enumerate(completions):
-            n = len(c.token_ids)
-            ids_B_T[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
-            logp_B_T[i, :n] = torch.tensor([step[t].logprob for t, step in zip(c.token_ids, c.logprobs)])
-            mask_B_T[i, :n] = 1
-        finished_B = torch.tensor([len(c.token_ids) > 0 and c.token_ids[-1] in stops
-                                   for c in completions], dtype=torch.bool)
-        return Batch({"response_ids": ids_B_T, "response_mask": mask_B_T, "sampler_logp": logp_B_T,
-                      "finished": finished_B})
+        drawn = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        return completions([c.token_ids for c in drawn],
+                           [[step[t].logprob for t, step in zip(c.token_ids, c.logprobs)] for c in drawn],
+                           [len(c.token_ids) > 0 and c.token_ids[-1] in stops for c in drawn], self.pad_token_id)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
         """Replace the engine's weights with a full state dict (tensors, or numpy arrays such as read-only
@@ -191,14 +174,7 @@ class VLLMSampler:
         tensors = as_tensors(state_dict)
         if self.lora is not None:
             return self._load_adapter(tensors)
-        if self.weight_names is not None:
-            # a tied LM head is exported by the policy but not stored in the checkpoint
-            unexpected = set(tensors) - self.weight_names - {"lm_head.weight"}
-            missing = self.weight_names - set(tensors)
-            if unexpected or missing:
-                raise ValueError(f"weights do not fit the sampler's model: missing {sorted(missing)}, "
-                                 f"unexpected {sorted(unexpected)}")
-            tensors = {k: tensors[k] for k in sorted(self.weight_names)}
+        tensors = fit_checkpoint(tensors, self.weight_names)
         if self.asleep:  # weights first, the KV cache after: the transfer never sits next to a full KV cache
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("rlbench_load_weights", args=(tensors, self._packing_threads))
@@ -352,25 +328,3 @@ def _quiet_vllm():
     finally:
         if saved is None:
             os.environ.pop("VLLM_LOGGING_LEVEL", None)
-
-
-def _checkpoint_names(model_dir: Path) -> set[str] | None:
-    """The tensor names of a model directory's safetensors checkpoint (None if it has none)."""
-    from safetensors import safe_open
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        return None
-    names = set()
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            names |= set(f.keys())
-    return names
-
-
-def _max_positions(model_dir: Path) -> int | None:
-    config = json.loads((model_dir / "config.json").read_text())
-    return config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")

@@ -23,7 +23,8 @@ from rlbench.policy.training import OptimSettings
 from rlbench.rewards import TaskScorer, sandbox_info
 from rlbench.runs.progress import bar as progress_bar
 from rlbench.models.vision import Vision
-from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams, VLLMSampler
+from rlbench.samplers import HFSampler, PartialRollouts, SamplingParams, SGLangSampler, VLLMSampler
+from rlbench.samplers import sglang as sglang_sampler
 from rlbench.samplers import vllm as vllm_sampler
 from rlbench.workers.cluster import Placer, Ray, WorkerGroup, acquire_ray, check_resources, release_ray
 from rlbench.workers.handles import CriticHandle, EnvHandle, PolicyHandle, ReferenceHandle, SamplerHandle, ScorerHandle
@@ -328,10 +329,11 @@ def _close_groups(groups: list[WorkerGroup], on_ray: bool, placer: Placer | None
 
 def check_sampler(sampler, cluster) -> None:
     """ValueError for a `sampler=` that is no choice, or a Sampler object outside the inline cluster."""
-    if isinstance(sampler, str) and sampler not in ("auto", "hf", "vllm"):
-        raise ValueError(f"sampler={sampler!r} is not one of: 'auto', 'hf', 'vllm' (or a Sampler object)")
+    if isinstance(sampler, str) and sampler not in ("auto", "hf", "vllm", "sglang"):
+        raise ValueError(f"sampler={sampler!r} is not one of: 'auto', 'hf', 'vllm', 'sglang' (or a Sampler object)")
     if not isinstance(sampler, str) and cluster != "inline":
-        raise ValueError("a Sampler object runs in this process: use cluster='inline', or sampler='hf' / 'vllm'")
+        raise ValueError("a Sampler object runs in this process: use cluster='inline', or sampler='hf' / 'vllm' / "
+                         "'sglang'")
 
 
 def check_sandbox(sandbox: str | None, cluster) -> None:
@@ -359,6 +361,8 @@ def _sampler_factory(cfg: Config, model_dir: str, device: str, images: bool = Fa
     """
     if not isinstance(cfg.sampler, str):
         return (lambda: cfg.sampler), {}, type(cfg.sampler).__name__, "given (sampler=)"
+    if cfg.sampler == "sglang":
+        return _sglang_factory(cfg, model_dir, images)
     usable, why = vllm_sampler.available()
     if cfg.sampler == "vllm" and not usable:
         raise ValueError(f"sampler='vllm' cannot run here: {why}")
@@ -372,3 +376,15 @@ def _sampler_factory(cfg: Config, model_dir: str, device: str, images: bool = Fa
               else "the prompts have images" if images else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")
     return (HFSampler.from_pretrained, dict(model_dir=model_dir, device=device, precision=cfg.precision, lora=cfg.lora),
             "hf", reason)
+
+
+def _sglang_factory(cfg: Config, model_dir: str, images: bool):
+    """`_sampler_factory` for sampler="sglang": SGLang's engine, or a ValueError naming what keeps it from this run."""
+    usable, why = sglang_sampler.available()
+    missing = (why if not usable else "LoRA (its adapters are not synced into SGLang yet)" if cfg.lora is not None
+               else "prompts with images (not passed to SGLang yet)" if images else None)
+    if missing:
+        raise ValueError(f"sampler='sglang' cannot run here: {missing}")
+    longest = cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_new_tokens
+    settings = dict(max_model_len=cfg.vllm_max_model_len or longest, dtype="bfloat16" if cfg.precision == "bf16" else "float32")
+    return SGLangSampler.from_pretrained, dict(model_dir=model_dir, **settings), "sglang", why
