@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from floats import assert_close
+from lora_checks import LORA, adapted, merged_hf_sampler
 
 import rlbench as rl
 from rollout_checks import assert_rollout_layout
@@ -271,3 +272,80 @@ def test_grpo_learns_arithmetic_with_the_sglang_sampler(tiny_dir, request):
     # on-policy: the sampler's log-probs are the policy's (every update synced the new weights)
     mask = batch["response_mask"].bool()
     assert (batch["sampler_logp"] - batch["old_logp"])[mask].abs().max() < LOGP_ATOL
+
+
+@pytest.fixture(scope="module")
+def sglang_lora(tiny_dir, request):
+    """SGLang with LoRA adapters (vLLM's: tests/test_vllm.py; the HF sampler's: tests/test_lora.py); on a GPU only:
+    on a CPU, the refusal."""
+    request.getfixturevalue("sglang_kernels")
+    usable, why = sglang_sampler.available()
+    if not usable:
+        pytest.skip(why)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="LoRA with the SGLang sampler needs a GPU"):
+            rl.samplers.SGLangSampler.from_pretrained(tiny_dir, lora=LORA)
+        pytest.skip("SGLang's LoRA adapters need CUDA (its adapter manager pins host memory): refused on a CPU")
+    s = rl.samplers.SGLangSampler.from_pretrained(tiny_dir, lora=LORA)
+    yield s
+    s.close()
+
+
+def test_an_sglang_adapter_samples_as_the_merged_policy(sglang_lora, tiny, rows):
+    """Before any adapter: the base model. Then an adapter (as numpy arrays, as through Ray): the peft model's greedy
+    completions (the HF sampler on its merged weights), and at temperature 0.7 the peft model's own log-probs; a
+    second adapter replaces the first, and `state_dict()` hands back the one it samples with."""
+    model, tokenizer = tiny
+    examples = [tokenizer.encode(e["prompt"], add_special_tokens=False) for e in rl.tasks.get("arithmetic").test[:32]]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    base = HFSampler(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    base_out = base.generate(examples, greedy)
+    assert torch.equal(sglang_lora.generate(examples, greedy)["response_ids"], base_out["response_ids"])
+    for seed in (1, 2):
+        peft_model = adapted(model, seed=seed)
+        adapter = rl.models.lora.adapter_state(peft_model)
+        sglang_lora.load_weights({name: tensor.numpy() for name, tensor in adapter.items()})
+        expected = merged_hf_sampler(model, tokenizer, peft_model).generate(examples, greedy)
+        out = sglang_lora.generate(examples, greedy)
+        assert torch.equal(out["response_ids"], expected["response_ids"]) and not torch.equal(
+            out["response_ids"], base_out["response_ids"])
+        assert_close(out["sampler_logp"], expected["sampler_logp"], atol=LOGP_ATOL)
+        params = SamplingParams(n=4, max_new_tokens=12, temperature=0.7, seed=seed)
+        sampled = sglang_lora.generate(rows, params)
+        recomputed = batch_logp(peft_model, prompted(sampled, rows, params.n, tokenizer), temperature=0.7,
+                                micro_batch_tokens=4096)
+        assert_close(sampled["sampler_logp"], recomputed, atol=LOGP_ATOL)
+    handed = sglang_lora.state_dict()
+    assert handed.keys() == adapter.keys()
+    for name, tensor in adapter.items():
+        assert torch.equal(handed[name], tensor)
+    with pytest.raises(ValueError, match="adapter does not fit"):
+        sglang_lora.load_weights({name: tensor[..., :1] for name, tensor in adapter.items()})
+
+
+def test_an_sglang_engine_leaves_the_process_as_it_found_it(tiny_dir, request):
+    """What SGLang's start changes in this process is put back by the start or by `close()`: the signal handlers, the
+    multiprocessing start method, the environment, torch's threads and the global RNG; and its processes end."""
+    import multiprocessing
+    import signal
+
+    import psutil
+
+    request.getfixturevalue("sglang_kernels")
+    usable, why = sglang_sampler.available()
+    if not usable:
+        pytest.skip(why)
+    before = (signal.getsignal(signal.SIGQUIT), signal.getsignal(signal.SIGTERM),
+              multiprocessing.get_start_method(allow_none=True), dict(os.environ), torch.get_num_threads(),
+              torch.random.get_rng_state())
+    s = rl.samplers.SGLangSampler.from_pretrained(tiny_dir)
+    s.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=1.0))  # its event loop's handlers go in here
+    processes = [psutil.Process(pid) for pid in s._processes]
+    assert processes and all(p.is_running() for p in processes)
+    assert multiprocessing.get_start_method(allow_none=True) == before[2] and dict(os.environ) == before[3]
+    s.close()
+    after = (signal.getsignal(signal.SIGQUIT), signal.getsignal(signal.SIGTERM),
+             multiprocessing.get_start_method(allow_none=True), dict(os.environ), torch.get_num_threads())
+    assert after == before[:5]
+    assert torch.equal(torch.random.get_rng_state(), before[5])
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)

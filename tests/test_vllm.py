@@ -5,7 +5,6 @@ left as found, LoRA adapters, sessions with it).
 One engine serves the whole module (a process holds one at a time; starting one takes seconds).
 """
 
-import copy
 import gc
 import os
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from floats import assert_close, assert_same
 
 import rlbench as rl
+from lora_checks import LORA, adapted, merged_hf_sampler
 from rlbench.batch import left_pad
 from rlbench.policy import batch_logp
 from rlbench.samplers import HFSampler, SamplingParams, VLLMSampler
@@ -100,8 +100,6 @@ def test_engine_leaves_the_process_as_it_found_it(tiny_dir, sampler, rows, tmp_p
     assert (tmp_path / "policy" / "rank0.pt").is_file()
 
 
-LORA = rl.LoRA(rank=4, alpha=8)
-"""The adapter of the LoRA tests: rank 4, which vLLM runs under max_lora_rank 8."""
 
 
 @pytest.fixture(scope="module")
@@ -110,24 +108,6 @@ def lora_sampler(tiny_dir):
     s = VLLMSampler.from_pretrained(tiny_dir, lora=LORA)
     yield s
     s.close()
-
-
-def adapted(model, seed: int, scale: float = 0.2):
-    """`model` (a copy) with LORA's adapters, lora_B drawn at random (seeded): a policy some steps into training."""
-    peft_model = rl.models.lora.wrap(copy.deepcopy(model), LORA)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=generator))
-    return peft_model.eval()
-
-
-def merged_hf_sampler(model, tokenizer, peft_model) -> HFSampler:
-    """The HF sampler on a plain copy of `model` holding `peft_model`'s merged weights."""
-    plain = copy.deepcopy(model)
-    plain.load_state_dict(rl.models.lora.merged_state(peft_model.state_dict(), LORA))
-    return HFSampler(plain, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
 def completions(out) -> list[list[int]]:

@@ -160,6 +160,18 @@ def merged_state(state: dict[str, torch.Tensor], lora: LoRA) -> dict[str, torch.
     return merged
 
 
+def saved_form(adapter: dict[str, torch.Tensor], lora: LoRA, base_model: str | None = None):
+    """(peft's `LoraConfig`, the tensors by peft's saved names, on CPU): an adapter as peft writes it, and as an engine
+    that loads adapters (vLLM from a folder, SGLang from tensors) takes it."""
+    config = lora.peft_config()
+    config.base_model_name_or_path = base_model
+    # peft resolves "all-linear" to the layers it adapted; the file lists them, as peft's own save does
+    config.target_modules = sorted({_ADAPTER.match(name)["module"].rsplit(".", 1)[-1] for name in adapter})
+    tensors = {name.replace(".default.weight", ".weight"): tensor.detach().to("cpu").contiguous()
+               for name, tensor in adapter.items()}
+    return config, tensors
+
+
 def save_adapter(path: str | os.PathLike, adapter: dict[str, torch.Tensor], lora: LoRA,
                  base_model: str | None = None) -> None:
     """Write adapter tensors (by live name) as a peft adapter folder (`adapter_config.json`,
@@ -169,11 +181,28 @@ def save_adapter(path: str | os.PathLike, adapter: dict[str, torch.Tensor], lora
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = lora.peft_config()
-    config.base_model_name_or_path = base_model
-    # peft resolves "all-linear" to the layers it adapted; the file lists them, as peft's own save does
-    config.target_modules = sorted({_ADAPTER.match(name)["module"].rsplit(".", 1)[-1] for name in adapter})
+    config, tensors = saved_form(adapter, lora, base_model)
     config.save_pretrained(str(path))
-    tensors = {name.replace(".default.weight", ".weight"): tensor.detach().to("cpu").contiguous()
-               for name, tensor in adapter.items()}
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def adapter_shapes(model_dir: str | os.PathLike, lora: LoRA) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the adapter tensors a policy trains on this model (peft's live names), from the model built on
+    the meta device (no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = wrap(AutoModelForCausalLM.from_config(config), lora)
+    return {name: tuple(tensor.shape) for name, tensor in adapter_state(model).items()}
+
+
+def check_fits(adapter: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], lora: LoRA) -> None:
+    """ValueError naming what of `adapter` does not fit an engine's adapter of `shapes` (`adapter_shapes`): missing and
+    unexpected tensors, wrong shapes."""
+    unexpected, missing = sorted(adapter.keys() - shapes.keys()), sorted(shapes.keys() - adapter.keys())
+    wrong = sorted(f"{name} {tuple(adapter[name].shape)} (not {shape})"
+                   for name, shape in shapes.items() if name in adapter and tuple(adapter[name].shape) != shape)
+    if unexpected or missing or wrong:
+        raise ValueError(f"adapter does not fit the sampler's {lora}: missing {missing}, unexpected {unexpected}, "
+                         f"wrong shapes {wrong}")

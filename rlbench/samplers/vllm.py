@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from rlbench.batch import Batch
-from rlbench.models.lora import LoRA, adapter_state, save_adapter, wrap
+from rlbench.models.lora import LoRA, adapter_shapes, check_fits, save_adapter
 from rlbench.samplers.base import (SamplingParams, as_tensors, checkpoint_names, completions, fit_checkpoint, max_positions,
                                    special_ids)
 
@@ -113,7 +113,7 @@ class VLLMSampler:
         self.stop_token_ids = sorted({eos_token_id, *stop_token_ids})
         self.weight_names = checkpoint_names(Path(model_dir))
         self.model_dir, self.lora = str(model_dir), lora
-        self.adapter_shapes = _adapter_shapes(Path(model_dir), lora) if lora is not None else None
+        self.adapter_shapes = adapter_shapes(model_dir, lora) if lora is not None else None
         """Name -> shape of every tensor `load_weights` takes under LoRA (peft's live names)."""
         self._lora_request = None  # the adapter every request applies (None: the base model)
         limit = max_positions(Path(model_dir))
@@ -187,14 +187,7 @@ class VLLMSampler:
         """Write the adapter as a peft folder, load it into the engine under a fresh id, then drop the previous one."""
         from vllm.lora.request import LoRARequest
 
-        unexpected, missing = sorted(adapter.keys() - self.adapter_shapes.keys()), sorted(
-            self.adapter_shapes.keys() - adapter.keys())
-        wrong = sorted(f"{name} {tuple(adapter[name].shape)} (not {shape})"
-                       for name, shape in self.adapter_shapes.items()
-                       if name in adapter and tuple(adapter[name].shape) != shape)
-        if unexpected or missing or wrong:
-            raise ValueError(f"adapter does not fit the sampler's {self.lora}: missing {missing}, unexpected "
-                             f"{unexpected}, wrong shapes {wrong}")
+        check_fits(adapter, self.adapter_shapes, self.lora)
         self.wake_up()
         previous = self._lora_request
         version = previous.lora_int_id + 1 if previous else 1
@@ -273,17 +266,6 @@ def _max_lora_rank(rank: int) -> int:
     if not allowed:
         raise ValueError(f"LoRA rank {rank}: vLLM takes ranks up to {max(get_args(MaxLoRARanks))}")
     return min(allowed)
-
-
-def _adapter_shapes(model_dir: Path, lora: LoRA) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of the adapter tensors the policy trains on this model (peft's live names), from the model
-    built on the meta device (no memory, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    with torch.device("meta"):
-        model = wrap(AutoModelForCausalLM.from_config(config), lora)
-    return {name: tuple(tensor.shape) for name, tensor in adapter_state(model).items()}
 
 
 @contextlib.contextmanager

@@ -381,10 +381,12 @@ def _sampler_factory(cfg: Config, model_dir: str, device: str, images: bool = Fa
 def _sglang_factory(cfg: Config, model_dir: str, images: bool):
     """`_sampler_factory` for sampler="sglang": SGLang's engine, or a ValueError naming what keeps it from this run."""
     usable, why = sglang_sampler.available()
-    missing = (why if not usable else "LoRA (its adapters are not synced into SGLang yet)" if cfg.lora is not None
-               else "prompts with images (not passed to SGLang yet)" if images else None)
+    missing = (why if not usable else "prompts with images (not passed to SGLang yet)" if images
+               else "LoRA on a CPU (SGLang's adapter manager takes CUDA)" if cfg.lora is not None
+               and not torch.cuda.is_available() else None)
     if missing:
         raise ValueError(f"sampler='sglang' cannot run here: {missing}")
     longest = cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_new_tokens
-    settings = dict(max_model_len=cfg.vllm_max_model_len or longest, dtype="bfloat16" if cfg.precision == "bf16" else "float32")
+    settings = dict(max_model_len=cfg.vllm_max_model_len or longest, dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+                    lora=cfg.lora)
     return SGLangSampler.from_pretrained, dict(model_dir=model_dir, **settings), "sglang", why
