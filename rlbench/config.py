@@ -331,10 +331,8 @@ class Config:
                              f"tensor parallel splits; use one of them")
         rows = self.prompts_per_step * self.samples_per_prompt
         if rows // self.mini_batches_per_step < self.data_parallel:
-            groups = (f"the {self.data_parallel} data-parallel groups of world_size={self.world_size}, tensor_parallel="
-                      f"{self.tensor_parallel}" if self.tensor_parallel > 1 else f"world_size={self.world_size} ranks")
             raise ValueError(f"a mini-batch of {rows // self.mini_batches_per_step} samples cannot be split across "
-                             f"{groups}: raise prompts_per_step or samples_per_prompt")
+                             f"{ranks_phrase(self)}: raise prompts_per_step or samples_per_prompt")
         if self.on_policy_old_logp and (self.epochs_per_step > 1 or self.mini_batches_per_step > 1):
             raise ValueError("on_policy_old_logp needs epochs_per_step=1 and mini_batches_per_step=1: later "
                              "optimizer steps of a batch are off-policy and need the recorded old_logp")
@@ -498,6 +496,14 @@ def grouped_keywords(keywords: dict) -> str | None:
     return (f"{', '.join(flat)}: these knobs are set together now, "
             f"{', '.join(f'{name}={group!r}' for name, group in forms.items())} here; the flat keywords still work, "
             f"for a while")
+
+
+def ranks_phrase(cfg: Config) -> str:
+    """The policy's ranks that each take their own rows, as an error message names them: "world_size=4 ranks", or
+    under tensor parallel "the 2 data-parallel groups of world_size=4, tensor_parallel=2"."""
+    if cfg.tensor_parallel == 1:
+        return f"world_size={cfg.world_size} ranks"
+    return f"the {cfg.data_parallel} data-parallel groups of world_size={cfg.world_size}, tensor_parallel={cfg.tensor_parallel}"
 
 
 def _choice(name: str, value, valid: list[str]) -> None:

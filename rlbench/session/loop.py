@@ -19,7 +19,7 @@ import torch
 
 from rlbench import algorithms, models, tasks
 from rlbench.batch import Batch
-from rlbench.config import Config, make_config
+from rlbench.config import Config, make_config, ranks_phrase
 from rlbench.policy.fsdp import loss_mask
 from rlbench.runs import checkpoints
 from rlbench.runs.folders import RunLock, new_run_name
@@ -215,9 +215,7 @@ class Session:
         # dynamic sampling may keep fewer rows than planned: then fewer mini-batches, each with a row per rank
         minis = min(cfg.mini_batches_per_step, len(batch) // cfg.data_parallel)
         if minis == 0:
-            raise ValueError(f"update: the batch has {len(batch)} rows, fewer than the policy's {cfg.data_parallel} "
-                             f"data-parallel ranks (world_size={cfg.world_size}, tensor_parallel={cfg.tensor_parallel}; "
-                             f"each needs a row)")
+            raise ValueError(f"update: the batch has {len(batch)} rows, fewer than {ranks_phrase(cfg)} (each needs a row)")
         with self._finishing("the update"):  # (inside step(): part of the step's)
             self.sampler.before_update()  # (vLLM with vllm_sleep frees the GPU it shares with the policy)
             with self._timed("update"):

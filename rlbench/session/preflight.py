@@ -7,7 +7,7 @@ import dataclasses
 
 from rlbench import algorithms, models, tasks
 from rlbench.algorithms import Algorithm
-from rlbench.config import Config, grouped_keywords
+from rlbench.config import Config, grouped_keywords, ranks_phrase
 from rlbench.session.sources import mode_of
 from rlbench.workers.build import check_sampler, check_sandbox
 
@@ -142,8 +142,7 @@ def check_algorithm(cfg: Config, algorithm: Algorithm) -> None:
                          f"and top_k 0 or above 1 (evaluate() is greedy on its own)")
     if algorithm.filter_groups and cfg.samples_per_prompt < cfg.data_parallel:
         raise ValueError(f"dynamic sampling may keep a single group of samples_per_prompt={cfg.samples_per_prompt} "
-                         f"rows, fewer than the policy's {cfg.data_parallel} data-parallel ranks (world_size="
-                         f"{cfg.world_size}, tensor_parallel={cfg.tensor_parallel}): raise samples_per_prompt")
+                         f"rows, fewer than {ranks_phrase(cfg)}: raise samples_per_prompt")
     if cfg.tensor_parallel > 1 and algorithm.needs_critic:
         raise ValueError(f"tensor_parallel={cfg.tensor_parallel}: algorithm {algorithm.name!r} trains a critic, whose "
                          f"value head tensor parallel does not split: use FSDP alone (tensor_parallel=1)")
