@@ -17,7 +17,7 @@ from rlbench.workers.cluster import Ray, acquire_ray, release_ray
 
 pytestmark = pytest.mark.slow
 
-CONFIG = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", prompts_per_step=16, samples_per_prompt=8,
+CONFIG = dict(model="tiny-arith", task="arithmetic", algorithm="grpo", prompts_per_step=8, samples_per_prompt=8,
               max_new_tokens=8, lr=1e-4, seed=0, log_dir=None)
 COLUMNS = ["loss", "pg_loss", "kl_loss", "reward_mean", "grad_norm", "entropy"]
 
