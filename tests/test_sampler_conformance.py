@@ -31,7 +31,7 @@ from rlbench.samplers import vllm as vllm_sampler
 
 ENGINES = ["hf", "vllm", "sglang"]
 LOGP_ATOL = 1e-4
-"""An engine's log-probs vs the policy's recomputation, fp32 on both sides (measured: under 5e-6 for all three). Not
+"""An engine's log-probs vs the policy's recomputation, fp32 on both sides. Not
 exact: each engine's kernels sum in another order than torch's."""
 PROMPTS = ["12+34=", "7+5=", "99+99=", "3+40=", "50+6=", "1+1="]  # different lengths: per-row positions
 PLACEHOLDERS = Path(__file__).parent / "sglang_cpu"
