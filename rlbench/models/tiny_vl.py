@@ -1,10 +1,11 @@
 """tiny-vl: a Qwen2-VL model small enough to train on a CPU, warm-started on the "shapes" task's pictures.
 
 The recipe: the byte-level tiny tokenizer plus Qwen's `<|vision_start|>`, `<|image_pad|>` and `<|vision_end|>` (special
-tokens: typed as text they stay text); Qwen2-VL's image processor at 8-pixel patches, so that a 64 x 64 picture is
-8 x 8 patches, merged 2 x 2 into 16 image tokens; a fresh `Qwen2VLForConditionalGeneration` with a one-block vision
-tower (`build_model`), warm-started in two supervised phases (loss on the answer and EOS), the way a real
-vision-language model comes to RL having learnt to see before it learnt the task:
+tokens: typed as text they stay text), and `<|video_pad|>`, added after the warm start (`with_video_token`);
+Qwen2-VL's image processor at 8-pixel patches, so that a 64 x 64 picture is 8 x 8 patches, merged 2 x 2 into 16
+image tokens; a fresh `Qwen2VLForConditionalGeneration` with a one-block vision tower (`build_model`), warm-started
+in two supervised phases (loss on the answer and EOS), the way a real vision-language model comes to RL having learnt
+to see before it learnt the task:
 
 1. to see: `DESCRIBE_STEPS` steps of describing pictures (`<image>describe?=` -> what each cell holds,
    `shapes_data.describe`), each step on new pictures, so that it learns to see rather than to remember;
@@ -31,7 +32,7 @@ from rlbench.models.warm_start import build_cached, cache_root, sft_tensors, sup
 from rlbench.runs.progress import bar as progress_bar
 
 NAME = "tiny-vl"
-VERSION = 2
+VERSION = 3
 """Part of the cache directory's name: bump it whenever the recipe below changes."""
 MAX_POSITIONS = 256
 PATCH, MERGE, IMAGE_SIZE = 8, 2, 64
@@ -55,6 +56,23 @@ def build_vl_tokenizer() -> PreTrainedTokenizerBase:
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
     return tokenizer
+
+
+VIDEO_TOKEN = "<|video_pad|>"
+"""Qwen2-VL's video slot. tiny-vl takes no video, but a Qwen2-VL tokenizer has the token and vLLM's Qwen2-VL processor
+looks it up; the policy never draws it (`rlbench.models.vision.never_sampled`)."""
+
+
+def with_video_token(model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Add `VIDEO_TOKEN` to the tokenizer (id 262) and a zero row for it to the (tied) embedding, in place. Added once
+    the model is trained, so that the warm start is the one it was before the token (version 2): the sampler and the
+    trainer give the token no probability, and the row meets no gradient."""
+    tokenizer.add_special_tokens({"additional_special_tokens": [*IMAGE_TOKENS, VIDEO_TOKEN]})
+    with torch.random.fork_rng(devices=[]):  # (new rows are drawn, then zeroed: the global RNG untouched)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[len(tokenizer) - 1] = 0.0
+    model.config.video_token_id = tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)
 
 
 def build_image_processor():
@@ -107,6 +125,7 @@ def train_tiny_vl(seed: int = 0) -> tuple[Qwen2VLForConditionalGeneration, PreTr
                               lambda m: greedy_accuracy(m, tokenizer, vision, test), seed=seed, lr=LR,
                               batch_size=BATCH_SIZE, eval_every=EVAL_EVERY, stop_at=STOP_AT, overshoot=OVERSHOOT,
                               max_steps=MAX_STEPS, name=NAME, inputs_of=supervised.batch)
+    with_video_token(model, tokenizer)
     return model.eval(), tokenizer
 
 

@@ -98,17 +98,32 @@ def checkpoint_names(model_dir: Path) -> set[str] | None:
     return names or None
 
 
+CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+"""(live prefix, stored prefix) of a vision-language model's tensors: transformers nests the Qwen2-VL family's language
+model and vision tower under `model.` in memory and saves them under their original names."""
+
+
 def fit_checkpoint(state: dict, names: set[str] | None) -> dict:
-    """The entries of a full state dict that an engine built from a checkpoint with tensors `names` takes, in name
-    order (a tied LM head, which the policy exports and the checkpoint does not store, left out); a ValueError naming
-    what is missing and what is unexpected. `names` None (no safetensors checkpoint): `state` as it is."""
+    """The entries of a full state dict that an engine built from a checkpoint with tensors `names` takes, by their
+    stored names (`CHECKPOINT_PREFIXES`), in name order (a tied LM head, which the policy exports and the checkpoint
+    does not store, left out); a ValueError naming what is missing and what is unexpected. `names` None (no
+    safetensors checkpoint): `state` as it is."""
     if names is None:
         return state
+    state = {_stored_name(name, names): tensor for name, tensor in state.items()}
     unexpected, missing = set(state) - names - {"lm_head.weight"}, names - set(state)
     if unexpected or missing:
         raise ValueError(f"weights do not fit the sampler's model: missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)}")
     return {name: state[name] for name in sorted(names)}
+
+
+def _stored_name(name: str, names: set[str]) -> str:
+    """`name` as the checkpoint with tensors `names` stores it (`CHECKPOINT_PREFIXES`); `name` where none applies."""
+    for live, stored in CHECKPOINT_PREFIXES:
+        if name.startswith(live) and stored + name.removeprefix(live) in names:
+            return stored + name.removeprefix(live)
+    return name
 
 
 def completions(ids: Sequence[Sequence[int]], logps: Sequence[Sequence[float]], finished: Sequence[bool],

