@@ -78,6 +78,27 @@ def test_a_lora_adapter_on_the_language_model_reaches_the_engine(task):
     assert all(row["sampler_mismatch_max"] < LOGP_ATOL for row in rows)
 
 
+def test_an_async_rollout_goes_on_in_pieces_with_its_pictures(task):
+    """vLLM has no interrupt, so an asynchronous rollout worker samples in pieces, each row going on from its context:
+    greedy, 3-token pieces draw the one-call rollout's tokens and log-probs (its pictures in every piece). Then an
+    async session trains on image prompts with vLLM: its first step on-policy, staleness within the bound."""
+    folder = tiny_vl.ensure_built(0)
+    tokenizer = rl.models.load_tokenizer(folder)
+    vision = Vision.of(folder, tokenizer)
+    encoded = [vision.encode(tokenizer, e["prompt"], e["images"]) for e in task.test[:6]]
+    prompts, images = [ids for ids, _ in encoded], [pixels for _, pixels in encoded]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+    sampler = VLLMSampler.from_pretrained(folder, max_model_len=256)
+    whole = sampler.generate(prompts, greedy, images=images)
+    pieces = rl.samplers.PartialRollouts(sampler, chunk_tokens=3).rollout(prompts, greedy, images=images)
+    sampler.close()
+    assert pieces["response_ids"].shape[1] > 3 and torch.equal(pieces["response_ids"], whole["response_ids"])
+    assert_close(pieces["sampler_logp"], whole["sampler_logp"], atol=LOGP_ATOL)
+    with rl.Session(task=task, **SMALL | {"rollout_mode": "async", "max_staleness": 1}) as s:
+        rows = s.run(3, progress=False)
+    assert rows["sampler_kl"].iloc[0] < 1e-6 and (rows["staleness_max"] <= 1).all(), rows
+
+
 def test_a_prompts_image_tokens_must_fit_its_pictures(task):
     """A prompt whose image tokens are not its pictures' (a run of another length) is refused, naming the prompt;
     pictures for a text-only model too."""
