@@ -188,8 +188,13 @@ class WorkerGroup:
         return self._map(name, method, batch, balance(batch, self.size // self.replicas), **kwargs)
 
     def _map(self, name: str, method: Callable, batch: Batch, index: list[list[int]], **kwargs) -> Pending:
-        """`method` on each rank with its group's rows `index[rank // replicas]`; the first rank's result of each group."""
+        """`method` on each rank with its group's rows `index[rank // replicas]`; the first rank's result of each group.
+        On Ray a group's rows go to the object store once, not once per rank of the group."""
         shards = [_shard(batch, rows) for rows in index]
+        if self.ray and self.replicas > 1:
+            import ray
+
+            shards = [ray.put(shard) for shard in shards]
         return self.submit_each(name, method, [(shards[r // self.replicas],) for r in range(self.size)],
                                 **kwargs).then(lambda per_rank: per_rank[:: self.replicas])
 
