@@ -15,7 +15,7 @@ from transformers import AutoConfig
 import rlbench as rl
 from rlbench.models import tiny_vl
 from rlbench.models.shapes_data import CELLS
-from rlbench.models.vision import Vision, never_sampled_ids
+from rlbench.models.vision import NEVER_LOGIT, Vision, forward_inputs, never_sampled_ids
 from rlbench.samplers import SamplingParams, VLLMSampler
 from rlbench.samplers import vllm as vllm_sampler
 from rlbench.tasks.shapes import Shapes
@@ -97,6 +97,50 @@ def test_an_async_rollout_goes_on_in_pieces_with_its_pictures(task):
     with rl.Session(task=task, **SMALL | {"rollout_mode": "async", "max_staleness": 1}) as s:
         rows = s.run(3, progress=False)
     assert rows["sampler_kl"].iloc[0] < 1e-6 and (rows["staleness_max"] <= 1).all(), rows
+
+
+def test_a_qwen2_5_vl_folder_samples_as_its_trainer_scores(task, tmp_path):
+    """Qwen2.5-VL, the family of the GPU recipe (its vision tower windows attention and takes its grids as a list):
+    a random one of tiny-vl's size, saved as a local folder, samples image prompts on vLLM with the trainer's
+    log-probs (the text bound; measured 4.8e-7)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    source = tiny_vl.ensure_built(0)
+    tokenizer = rl.models.load_tokenizer(source)
+    start, image, end, video = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
+                                                                "<|video_pad|>"])
+    special = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+                         tie_word_embeddings=True, **special),
+        vision_config=dict(depth=2, hidden_size=64, out_hidden_size=128, intermediate_size=128, num_heads=2,
+                           patch_size=8, spatial_merge_size=2, temporal_patch_size=2, window_size=32,
+                           fullatt_block_indexes=[1], in_channels=3),
+        image_token_id=image, vision_start_token_id=start, vision_end_token_id=end, video_token_id=video,
+        tie_word_embeddings=True, **special)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen2_5_VLForConditionalGeneration(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_bytes((source / "preprocessor_config.json").read_bytes())
+    model, _ = rl.models.load(tmp_path)
+    vision = Vision.of(tmp_path, tokenizer)
+    encoded = [vision.encode(tokenizer, e["prompt"], e["images"]) for e in task.test[:4]]
+    sampler = VLLMSampler.from_pretrained(tmp_path, max_model_len=256)
+    out = sampler.generate([ids for ids, _ in encoded], SamplingParams(max_new_tokens=8, seed=1),
+                           images=[pixels for _, pixels in encoded])
+    sampler.close()
+    for row, (ids, pixels) in enumerate(encoded):
+        drawn = out["response_ids"][row, : int(out["response_mask"][row].sum())]
+        full = torch.tensor([ids + drawn.tolist()])
+        mask = torch.ones_like(full)
+        with torch.no_grad():
+            logits = model(input_ids=full, attention_mask=mask, **forward_inputs(model, full, mask, [pixels])).logits
+        logits = logits[0, len(ids) - 1:-1].index_fill(-1, torch.tensor([start, image, end, video]), NEVER_LOGIT)
+        expected = logits.log_softmax(-1).gather(-1, drawn[:, None])[:, 0]
+        assert_close(out["sampler_logp"][row, : len(drawn)], expected, atol=LOGP_ATOL)
 
 
 def test_a_prompts_image_tokens_must_fit_its_pictures(task):

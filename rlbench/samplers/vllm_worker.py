@@ -76,10 +76,10 @@ class WeightLoader:
     def rlbench_image_embeds(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """The model's vision tower on pictures' pixels and grids (`rlbench.models.vision.Vision.encode`'s, the
         processor's normalised values: the engine is started with `mm_device_do_normalize=False`): one row of
-        embeddings per merged patch, on CPU."""
+        embeddings per merged patch, on CPU. (The grids go as a list, the type the towers' signatures name.)"""
         visual = self.model_runner.model.visual
         with torch.inference_mode():
-            return visual(pixel_values.to(visual.dtype), grid_thw=grid_thw).cpu()
+            return visual(pixel_values.to(visual.dtype), grid_thw=grid_thw.tolist()).cpu()
 
 
 @contextlib.contextmanager
