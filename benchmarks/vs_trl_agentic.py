@@ -167,7 +167,7 @@ def summary(runs: list[dict]) -> dict:
 def report(folder: Path) -> str:
     """A markdown table of the `--out` files in `folder`: per file the library and variant, seeds, steps, greedy
     accuracy after per seed and its mean, and the last 10 steps' reward, tool calls per episode and tool success
-    (averaged over seeds; rlbench counts malformed calls as calls and failures, TRL does not)."""
+    (averaged over seeds; rlbench counts malformed calls as calls and failures, TRL does not); then `pooled`."""
     lines = ["| file | library | seeds | steps | greedy after | mean | reward, last 10 steps | tool calls | tool success |",
              "|---|---|---|---:|---|---:|---:|---:|---:|"]
     for path in sorted(folder.glob("*.json")):
@@ -181,6 +181,30 @@ def report(folder: Path) -> str:
         lines.append(f"| {path.name} | {name} | {' '.join(map(str, out['seeds']))} | {out['steps']} | "
                      f"{', '.join(f'{a:.3f}' for a in accuracy)} | {statistics.mean(accuracy):.3f} | "
                      f"{late['reward']:.3f} | {late['tool_calls']:.3f} | {late['tool_success']:.3f} |")
+    return "\n".join(lines + ["", pooled(folder)])
+
+
+def pooled(folder: Path) -> str:
+    """Per library and variant, each seed's greedy accuracy after 30 steps over all the `--out` files in `folder`
+    (mean, median); then each rlbench variant against TRL, and each other variant against rlbench's default, on the
+    seeds both have: the mean difference, its standard error and how many seeds are ahead, level, behind."""
+    after = {}
+    for path in sorted(folder.glob("*.json")):
+        out = json.loads(path.read_text())
+        if out["steps"] == 30:
+            name = "TRL" if out["trl"] else out["variant"]
+            for seed, run in zip(out["seeds"], out["trl"] or out["rlbench"]):
+                after.setdefault(name, {})[seed] = run["greedy_after"]
+    lines = [f"{name}: {len(a)} seeds, mean {statistics.mean(a.values()):.4f}, median {statistics.median(a.values()):.4f}"
+             for name, a in after.items()]
+    for name, base in [(name, "TRL") for name in after if name != "TRL"] + [
+            (name, "default") for name in after if name not in ("TRL", "default")]:
+        seeds = sorted(after[name].keys() & after.get(base, {}).keys())
+        if len(seeds) > 1:
+            d = [after[name][k] - after[base][k] for k in seeds]
+            lines.append(f"{name} - {base}: {len(seeds)} seeds, {statistics.mean(d):+.4f} (standard error "
+                         f"{statistics.stdev(d) / len(d) ** 0.5:.4f}), {sum(x > 0 for x in d)} ahead, "
+                         f"{sum(x == 0 for x in d)} level, {sum(x < 0 for x in d)} behind")
     return "\n".join(lines)
 
 

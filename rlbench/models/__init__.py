@@ -120,12 +120,20 @@ def from_pretrained(auto_class, path: str | os.PathLike, *, dtype: torch.dtype =
 
     A folder without weights, or with a truncated or corrupt safetensors file, is a ValueError naming it."""
     check_weights(path)
-    if auto_class is AutoModelForCausalLM and vision.has_vision(path):
-        from transformers import AutoModelForImageTextToText
-
-        auto_class = AutoModelForImageTextToText
+    if auto_class is AutoModelForCausalLM:
+        auto_class = causal_lm_class(path)
     with quiet_transformers():  # e.g. a critic's value head is new by design: no load report
         return auto_class.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
+
+
+def causal_lm_class(path: str | os.PathLike):
+    """The transformers class of a folder's model as a policy: AutoModelForCausalLM, or for a vision-language folder
+    (its config has a `vision_config`) AutoModelForImageTextToText, the language model with its vision tower."""
+    if vision.has_vision(path):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 @contextmanager

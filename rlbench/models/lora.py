@@ -189,12 +189,13 @@ def save_adapter(path: str | os.PathLike, adapter: dict[str, torch.Tensor], lora
 def adapter_shapes(model_dir: str | os.PathLike, lora: LoRA) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the adapter tensors a policy trains on this model (peft's live names), from the model built on
     the meta device (no memory, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
+
+    from rlbench.models import causal_lm_class
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    auto_class = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = wrap(auto_class.from_config(config), lora)
+        model = wrap(causal_lm_class(model_dir).from_config(config), lora)
     return {name: tuple(tensor.shape) for name, tensor in adapter_state(model).items()}
 
 

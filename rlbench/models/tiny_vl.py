@@ -70,9 +70,9 @@ def with_video_token(model: Qwen2VLForConditionalGeneration, tokenizer: PreTrain
     tokenizer.add_special_tokens({"additional_special_tokens": [*IMAGE_TOKENS, VIDEO_TOKEN]})
     with torch.random.fork_rng(devices=[]):  # (new rows are drawn, then zeroed: the global RNG untouched)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    with torch.no_grad():
-        model.get_input_embeddings().weight[len(tokenizer) - 1] = 0.0
     model.config.video_token_id = tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[model.config.video_token_id] = 0.0
 
 
 def build_image_processor():

@@ -148,12 +148,14 @@ def never_sampled(model) -> list[int]:
     prompt; drawn in a response they would be text, and a forward with images would take them for more image slots.
     The sampler and the trainer both leave them out of the distribution (their logits are `NEVER_LOGIT`), so
     that the two agree exactly. [] for a text model."""
-    return never_sampled_ids(model.config) if has_vision_tower(model) else []
+    return never_sampled_ids(model.config)
 
 
 def never_sampled_ids(config) -> list[int]:
-    """`never_sampled`'s ids from a vision-language model's config (a transformers `PretrainedConfig`): what the vLLM
-    sampler, which holds no transformers model, reads them from."""
+    """`never_sampled`'s ids from a model's config (a transformers `PretrainedConfig`; [] without a `vision_config`):
+    what the vLLM sampler, which holds no transformers model, reads them from."""
+    if getattr(config, "vision_config", None) is None:
+        return []
     names = ("image_token_id", "vision_start_token_id", "vision_end_token_id", "video_token_id")
     vocab = config.get_text_config().vocab_size  # (a default id past it is no token of this model)
     return sorted({i for i in (getattr(config, name, None) for name in names) if i is not None and i < vocab})

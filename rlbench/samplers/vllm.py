@@ -209,26 +209,22 @@ class VLLMSampler:
         pixels = joined(images)
         embeds = self.llm.collective_rpc("rlbench_image_embeds", args=(pixels["pixel_values"],
                                                                          pixels["image_grid_thw"]))[0]
-        sizes = [len(entry["image_grid_thw"]) if entry else 0 for entry in images]
-        merge = self.llm.llm_engine.model_config.hf_config.vision_config.spatial_merge_size
-        tokens = (pixels["image_grid_thw"].prod(-1) // merge**2).tolist()
-        image_id = self.llm.llm_engine.model_config.hf_config.image_token_id
-        first, out = 0, []
-        for i, (prompt, count) in enumerate(zip(prompts, sizes)):
-            runs = tokens[first:first + count]
-            ids = prompt["prompt_token_ids"]
-            if not count:
+        config = self.llm.llm_engine.model_config.hf_config
+        tokens = (pixels["image_grid_thw"].prod(-1) // config.vision_config.spatial_merge_size**2).tolist()
+        picture, row, out = 0, 0, []  # the first picture of the prompt, and its first row of embeddings
+        for i, (prompt, entry) in enumerate(zip(prompts, images)):
+            if not entry:
                 out.append(prompt)
                 continue
-            found = _run_lengths(ids, image_id)
-            if found != runs:
-                raise ValueError(f"prompt {i}: its image tokens come in runs of {found}, its pictures' grids make "
-                                 f"{runs}")
-            short = [t for k, t in enumerate(ids) if not (t == image_id and k > 0 and ids[k - 1] == image_id)]
-            rows = slice(sum(tokens[:first]), sum(tokens[:first + count]))
+            count = len(entry["image_grid_thw"])
+            short, runs = _one_token_per_picture(prompt["prompt_token_ids"], config.image_token_id)
+            if runs != tokens[picture:picture + count]:
+                raise ValueError(f"prompt {i}: its image tokens come in runs of {runs}, its pictures' grids make "
+                                 f"{tokens[picture:picture + count]}")
+            rows = sum(runs)
             out.append({"prompt_token_ids": short, "multi_modal_data": {"image": {
-                "image_embeds": embeds[rows], "image_grid_thw": pixels["image_grid_thw"][first:first + count]}}})
-            first += count
+                "image_embeds": embeds[row:row + rows], "image_grid_thw": entry["image_grid_thw"]}}})
+            picture, row = picture + count, row + rows
         return out
 
     def load_weights(self, state_dict: dict[str, torch.Tensor | np.ndarray]) -> None:
@@ -316,15 +312,17 @@ class VLLMSampler:
                                "another VLLMSampler closes the previous one)")
 
 
-def _run_lengths(ids: list[int], token: int) -> list[int]:
-    """The length of each run of `token` in `ids`, in order."""
-    runs = []
+def _one_token_per_picture(ids: list[int], image_id: int) -> tuple[list[int], list[int]]:
+    """(`ids` with each run of `image_id` shortened to one token, the runs' lengths in order)."""
+    short, runs = [], []
     for k, t in enumerate(ids):
-        if t == token and k > 0 and ids[k - 1] == token:
+        if t == image_id and k > 0 and ids[k - 1] == image_id:
             runs[-1] += 1
-        elif t == token:
+            continue
+        if t == image_id:
             runs.append(1)
-    return runs
+        short.append(t)
+    return short, runs
 
 
 def check_vision_support(model_dir) -> None:

@@ -30,8 +30,7 @@ class TemperatureScaledLogprobs(LogitsProcessor):
     """
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        config = vllm_config.model_config.hf_config
-        never = never_sampled_ids(config) if getattr(config, "vision_config", None) is not None else []
+        never = never_sampled_ids(vllm_config.model_config.hf_config)
         self.never = torch.tensor(never, dtype=torch.long, device=device) if never else None
 
     def is_argmax_invariant(self) -> bool:
