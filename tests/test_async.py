@@ -146,20 +146,38 @@ def test_a_paced_sampler_draws_what_it_wraps_one_token_per_period(tiny):
         Paced(ScriptedSampler(tokenizer, lambda context: "1"), seconds_per_token=0.01)
 
 
-def test_a_sampler_slower_than_the_trainer_gives_partial_rollouts_within_the_bound():
-    """The sampler-bound regime of long responses, at toy size (rl.samplers.Paced): the trainer waits for the worker,
-    which is generating when new weights arrive, so rows go on under them: each such row's versions are v then v + 1,
-    and every group is still at most max_staleness = 1 update old."""
-    paced = Paced(HFSampler.from_pretrained(rl.models.resolve("tiny-arith")), seconds_per_token=0.05)
-    with rl.Session(**SMALL, sampler=paced, rollout=rl.Async(max_staleness=1)) as s:
-        s.run(4)
-        batch, waited = s.last_batch, s.metrics["trainer_wait_s"].iloc[1:]
+def test_a_sampler_paced_by_the_trainer_gives_the_same_partial_rollouts_on_any_machine():
+    """The sampler-bound regime of long responses, at toy size, stated in tokens (Paced(tokens_per_update=2)): every
+    batch after the first was started under the weights before the ones that train it, drew 2 decoding steps under
+    them and waited for the next: each row longer than 2 tokens is partial, exactly its first 2 tokens under version
+    v - 1 and the rest under v, and no group is more than max_staleness = 1 update old. A second run on the same seed
+    gives the same batches (nothing depends on which thread was faster)."""
+    def run():
+        paced = Paced(HFSampler.from_pretrained(rl.models.resolve("tiny-arith")), tokens_per_update=2)
+        with rl.Session(**SMALL, sampler=paced, rollout=rl.Async(max_staleness=1)) as s:
+            s.run(4)
+            return s.last_batch, s.state.policy_version
+
+    batch, now = run()
     mask = batch["response_mask"].bool()
-    versions = [sorted(set(v[m].tolist())) for v, m in zip(batch["token_version"], mask)]
-    partial = [v for v in versions if len(v) > 1]
-    assert partial, f"no partial rollout in the last batch (token versions {versions})"
-    assert all(len(v) == 2 and v[1] == v[0] + 1 for v in partial), partial
-    assert int(batch["staleness"].max()) <= 1 and (waited > 0).all(), waited
+    lengths = mask.sum(-1).tolist()
+    for versions, valid, length in zip(batch["token_version"], mask, lengths):
+        expected = [now - 2] * min(length, 2) + [now - 1] * max(length - 2, 0)
+        assert versions[valid].tolist() == expected, (versions[valid].tolist(), expected)
+    assert any(length > 2 for length in lengths), lengths  # some rows partial
+    assert int(batch["staleness"].max()) == 1
+    again, _ = run()
+    for column in ("response_ids", "sampler_logp", "token_version"):
+        assert torch.equal(again[column], batch[column]), column
+
+
+def test_a_sampler_paced_by_the_trainer_is_refused_with_dynamic_sampling():
+    """Dynamic sampling may take a group that the paced rollout holds waiting for weights: refused, named."""
+    paced = Paced(HFSampler.from_pretrained(rl.models.resolve("tiny-arith")), tokens_per_update=2)
+    with pytest.raises(ValueError, match="paced by the trainer .* dynamic sampling \\(algorithm 'dapo'\\)"):
+        rl.Session(**SMALL, sampler=paced, rollout=rl.Async(max_staleness=1), algorithm="dapo")
+    with pytest.raises(ValueError, match="tokens_per_update must be >= 1"):
+        Paced(paced.sampler, tokens_per_update=0)
 
 # ------------------------------------------------------------------------- the staleness bound
 class SleepySampler:
@@ -212,8 +230,8 @@ def sleepy_rollouts(rng: random.Random, K: int, P: int, workers: int, monkeypatc
     return AsyncRollouts(
         [start(i) for i in range(workers)], max_staleness=K, groups_per_step=P,
         draw=lambda: ({"prompt": f"p{next(drawn)}"}, 0), restart=start,
-        sample=lambda handle, tickets, v: handle.rollout([t.example for t in tickets], SamplingParams(
-            n=2, max_new_tokens=6, seeds=tuple(t.seed for t in tickets)), v))
+        sample=lambda handle, tickets, v, trained_by: handle.rollout([t.example for t in tickets], SamplingParams(
+            n=2, max_new_tokens=6, seeds=tuple(t.seed for t in tickets)), v, trained_by))
 
 
 @pytest.mark.parametrize("case", range(16))

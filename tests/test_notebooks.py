@@ -207,12 +207,14 @@ def test_02_every_preset_learns_with_its_own_settings(kernel_dirs, tmp_path):
 
 @pytest.mark.slow
 def test_06_shows_staleness_and_a_batch_of_partial_rollouts_with_its_own_settings(kernel_dirs, tmp_path):
-    """06 as a reader runs it (five runs of 60 steps, then the paced close-up): each run's staleness is its bound's
-    (0 synchronous, about K async: the sampler is ahead), the close-up's trainer waits for its paced sampler and most
-    of its batch's rows took new weights mid-generation (measured 99%, also with the cores busy), and the lab's
-    figures are embedded."""
+    """06 as a reader runs it (five runs of 60 steps, then the close-up paced by the trainer): each run's staleness is
+    its bound's (0 synchronous, about K async: the sampler is ahead); in the close-up (Paced(tokens_per_update=2),
+    the same on any machine's speed) exactly the rows longer than 2 tokens are partial, each with 2 tokens under the
+    older weights, the trainer waits for the sampler, and the lab's figures are embedded."""
     nb, got = claims(NOTEBOOKS[0].parent / "06_async.ipynb", kernel_dirs, tmp_path, report=(
-        '{"staleness": {n: staleness(m) for n, m in metrics.items()}, "partial": float(table["partial"].mean()), '
+        '{"staleness": {n: staleness(m) for n, m in metrics.items()}, "partial": partial_share(batch), '
+        '"unpaced": partial_share(batches["async K=1 TIS"]), "longer": float(longer.float().mean()), '
+        '"old_tokens": sorted({v.count(min(v)) for v in table["token_version"] if len(set(v)) > 1}), '
         '"close_up_staleness": int(batch["staleness"].max()), "wait": float(waits["trainer_wait_s"]), '
         '"steps": {n: len(m) for n, m in metrics.items()}}'))
     assert set(got["steps"].values()) == {60}
@@ -221,8 +223,10 @@ def test_06_shows_staleness_and_a_batch_of_partial_rollouts_with_its_own_setting
         if name != "sync":
             K = int(name.split("K=")[1][0])
             assert K - 0.1 <= value <= K, (name, value)
-    assert got["partial"] > 0.3 and got["close_up_staleness"] <= 1 and got["wait"] > 0, got
+    assert got["partial"] == got["longer"] > 0.3 and got["old_tokens"] == [2], got
+    assert got["close_up_staleness"] == 1 and got["wait"] > 0, got
     printed = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
+    assert f"unpaced, K=1: {got['unpaced']:.0%} of the last batch's rows were partial" in printed
     assert f"{got['partial']:.0%} of this batch's rows took new weights mid-generation" in printed
     figures = next(cell for cell in nb.cells if "display(Image(" in cell.source)
     assert len([o for o in figures.outputs if "image/png" in o.get("data", {})]) == 3  # embedded, not linked

@@ -7,6 +7,12 @@ its whole step's sampling takes a fraction of an update: the worker is idle when
 ever partial. `Paced(sampler, seconds_per_token)` makes each decoding step take at least that long (the tokens,
 log-probs and seeds are the wrapped sampler's own), so the staleness, the trainer's waits and the partial rollouts
 of that regime can be studied on the tiny models.
+
+A pace in seconds races the trainer's clock: on a slower or busier machine the update outlasts the answers and no
+row is partial. `Paced(sampler, tokens_per_update=u)` states the regime in tokens instead, the same on any machine:
+in an asynchronous run, a rollout that newer weights will train draws u decoding steps under each weights version
+and then waits for the next one (`rl.samplers.PartialRollouts`), as if each update took the time of u tokens. Every
+row longer than u tokens is then partial, with exactly u tokens under the older weights.
 """
 
 from __future__ import annotations
@@ -22,18 +28,23 @@ from rlbench.samplers.base import SamplingParams
 
 class Paced:
     """A Sampler (`generate`, `load_weights`, `state_dict`) drawing what `sampler` draws, at most one decoding step
-    per `seconds_per_token` seconds. `sampler` must be interruptible (its `generate` takes `interrupt` and checks
-    it after each token, as the HF sampler does): the pause is taken at that check, so new weights pushed during a
-    pause are taken at the next token."""
+    per `seconds_per_token` seconds, and in an asynchronous run at most `tokens_per_update` decoding steps per weights
+    version of a rollout that newer weights will train. `sampler` must be interruptible (its `generate` takes
+    `interrupt` and checks it after each token, as the HF sampler does): the pause is taken at that check, so new
+    weights pushed during a pause are taken at the next token."""
 
-    def __init__(self, sampler, seconds_per_token: float):
+    def __init__(self, sampler, seconds_per_token: float = 0.0, *, tokens_per_update: int | None = None):
         if seconds_per_token < 0:
             raise ValueError(f"seconds_per_token must be >= 0, got {seconds_per_token}")
+        if tokens_per_update is not None and tokens_per_update < 1:
+            raise ValueError(f"tokens_per_update must be >= 1 (or None), got {tokens_per_update}")
         if "interrupt" not in inspect.signature(getattr(sampler, "generate", lambda: None)).parameters:
             raise TypeError(f"Paced needs a sampler whose generate() takes interrupt= (checked after each token, as "
                             f"HFSampler's), not {type(sampler).__name__}")
         self.sampler = sampler
         self.seconds_per_token = seconds_per_token
+        self.tokens_per_update = tokens_per_update
+        """Read by the rollout worker around it (`PartialRollouts`), which does the waiting."""
         self.pad_token_id = sampler.pad_token_id
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,

@@ -12,6 +12,10 @@ The worker is the only place weights change, and only between the sampler's call
 leaves them pending and raises the interrupt; the generating thread copies them in (the world stops for the
 copy alone). Other callers of `generate` (held-out evaluation) go before the next piece of a rollout in
 progress, which they interrupt.
+
+A sampler with `tokens_per_update` (`rl.samplers.Paced(..., tokens_per_update=u)`) is paced by the trainer instead
+of the clock: a rollout that will be trained by newer weights than those it holds draws u tokens under each version,
+then waits for the next one (the sampler-bound regime of long responses, the same on any machine).
 """
 
 from __future__ import annotations
@@ -40,12 +44,16 @@ class PartialRollouts:
         self.version = version
         """The weights version the sampler holds (the policy's update count when they were pushed)."""
         self.interruptible = "interrupt" in inspect.signature(sampler.generate).parameters
+        self.tokens_per_update: int | None = getattr(sampler, "tokens_per_update", None)
+        """Tokens a rollout draws under each weights version older than those that will train it, then waits for the
+        next version (None: as fast as the sampler goes)."""
         self.stats = {"weight_loads": 0, "load_s": 0.0, "interrupted_rows": 0}
         """Weight copies, the seconds they took, and rows that went on with newer weights than they started with."""
         self._pending: tuple[object, int] | None = None  # (weights, version) not copied in yet
         self._interrupt = threading.Event()
         self._turn = threading.Condition()  # one sampler call at a time; callers of `generate` go first
         self._busy, self._waiting = False, 0
+        self._released = False  # set by release(): no rollout waits for weights any more
 
     # ---------------------------------------------------------------------------------- weights
     def push_weights(self, weights, version: int) -> None:
@@ -55,7 +63,14 @@ class PartialRollouts:
             if version < max(self.version, self._pending[1] if self._pending else 0):
                 return  # older than what it holds or will hold (pushes from two threads crossed)
             self._pending = (weights, version)
+            self._turn.notify_all()  # a rollout waiting for newer weights (tokens_per_update) goes on
         self._interrupt.set()
+
+    def release(self) -> None:
+        """No rollout waits for new weights from now on (the session is closing: none will come)."""
+        with self._turn:
+            self._released = True
+            self._turn.notify_all()
 
     def load_weights(self, weights, version: int | None = None) -> None:
         """Copy weights in now (between two calls of a rollout in progress); `version` None keeps the number."""
@@ -88,12 +103,14 @@ class PartialRollouts:
             return self.sampler.generate(prompt_ids, params, **_with(images))
 
     def rollout(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, min_version: int = 0,
-                images: Sequence[dict] | None = None) -> Batch:
+                images: Sequence[dict] | None = None, trained_by: int | None = None) -> Batch:
         """`params.n` completions of each prompt, like `generate`, plus `token_version [B, T]` (the weights version
         that drew each token; 0 on padding). Weights pushed meanwhile are taken at the next token and the unfinished
         rows go on under them (a row with images goes on with its prompt's). RuntimeError if the weights held at the
         start are older than `min_version` (the controller pushes them before it asks for a rollout that needs
-        them)."""
+        them). `trained_by`: the weights version that trains the oldest of these prompts (every version before it
+        comes without them); with `tokens_per_update`, weights older than it draw that many tokens, then the rollout
+        waits for the next version."""
         n, T = params.n, params.max_new_tokens
         B = len(prompt_ids) * n
         prompts = [[int(t) for t in prompt_ids[b // n]] for b in range(B)]
@@ -103,22 +120,24 @@ class PartialRollouts:
         versions: list[list[int]] = [[] for _ in range(B)]
         finished = [False] * B
         rows = list(range(B))
-        first = True
+        first, held = True, (-1, 0)  # held: (version, decoding steps drawn under it)
         while rows:
             with self._calling(first=False):
                 if first and self.version < min_version:
                     raise RuntimeError(f"rollout needs weights of version >= {min_version}, the sampler holds "
                                        f"{self.version} and none newer were pushed")
                 version = self.version
+                held = held if held[0] == version else (version, 0)
+                paced = self.tokens_per_update is not None and trained_by is not None and version < trained_by
                 if first:  # the first piece: exactly the sampler's own call (shared prompts, the caller's seeds)
-                    out = self._call(prompt_ids, replace(params, max_new_tokens=self._piece(T)), images)
+                    out = self._call(prompt_ids, replace(params, max_new_tokens=self._piece(T, paced)), images)
                     lengths_B = out["response_mask"].sum(-1)
                     if bool((out["finished"] | (lengths_B >= T)).all()):  # nothing to go on with: as it came
                         return out.with_columns(token_version=out["response_mask"] * version)
                 else:  # each unfinished row from its own context, with a seed of its own and of its length
                     room = T - len(drawn[rows[0]])
                     out = self._call([prompts[b] + drawn[b] for b in rows], replace(
-                        params, n=1, max_new_tokens=self._piece(room),
+                        params, n=1, max_new_tokens=self._piece(room, paced, held[1]),
                         seeds=tuple(_continuation_seed(seeds[b], b, len(drawn[b])) for b in rows)),
                         [images[b // n] for b in rows] if images is not None else None)
                     self.stats["interrupted_rows"] += sum(versions[b][0] != version for b in rows)
@@ -133,10 +152,23 @@ class PartialRollouts:
                 finished[b] = bool(out["finished"][j]) and k == int(lengths[j])
             rows = [b for b in rows if not finished[b] and len(drawn[b]) < T]
             first = False
+            held = (version, held[1] + out["response_ids"].shape[1])
+            if rows and paced and held[1] >= self.tokens_per_update:
+                self._await_newer(version)
         return self._batch(drawn, logp, versions, finished)
 
-    def _piece(self, room: int) -> int:
-        return room if self.interruptible else min(room, self.chunk_tokens)
+    def _piece(self, room: int, paced: bool = False, drawn: int = 0) -> int:
+        """A call's tokens: what is left, in chunks for a sampler that cannot be interrupted; a paced rollout's
+        share of the version it holds."""
+        piece = room if self.interruptible else min(room, self.chunk_tokens)
+        return min(piece, max(self.tokens_per_update - drawn, 1)) if paced else piece
+
+    def _await_newer(self, version: int) -> None:
+        """Wait (not holding the turn: evaluation goes on, and may copy them in) until weights newer than `version`
+        are pushed, or `release()`."""
+        with self._turn:
+            while not (self._released or self.version > version or (self._pending or (None, -1))[1] > version):
+                self._turn.wait()
 
     def _call(self, prompt_ids, params: SamplingParams, images: Sequence[dict] | None = None) -> Batch:
         if self.interruptible:

@@ -51,8 +51,9 @@ class AsyncRollouts:
 
     `workers`: rollout worker handles (`SamplerHandle`s whose sampler is a `PartialRollouts`); `draw()` gives the
     next example and its seed (advancing the session's data position); `restart(i)` replaces dead worker i behind
-    its handle, with the newest weights pushed to it; `sample(handle, tickets, min_version)` has a worker roll the
-    tickets out (a Batch of their groups, prompt-major, with `token_version`)."""
+    its handle, with the newest weights pushed to it; `sample(handle, tickets, min_version, trained_by)` has a worker
+    roll the tickets out (a Batch of their groups, prompt-major, with `token_version`) holding weights of at least
+    `min_version`, the oldest ticket to be trained by version `trained_by`."""
 
     def __init__(self, workers: list, *, max_staleness: int, groups_per_step: int, draw: Callable[[], tuple[dict, int]],
                  sample: Callable, restart: Callable[[int], None], version: int = 0):
@@ -152,10 +153,16 @@ class AsyncRollouts:
         return stats
 
     def close(self) -> None:
-        """Stop the feeders (a rollout in progress finishes or fails first, as its worker is ended)."""
+        """Stop the feeders (a rollout in progress finishes or fails first, as its worker is ended; one waiting for
+        weights, paced by the trainer, goes on without them)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        for handle in self.workers:
+            try:
+                handle.release()
+            except WorkerDied:
+                pass
 
     def join(self, timeout: float = 30.0) -> None:
         for thread in self._threads:
@@ -185,12 +192,12 @@ class AsyncRollouts:
     # -------------------------------------------------------------------------------- feeders
     def _feed(self, w: int) -> None:
         while True:
-            tickets, min_version = self._admit(w)
+            tickets, min_version, trained_by = self._admit(w)
             if not tickets:
                 return
             try:
                 try:
-                    batch = self._sample(self.workers[w], tickets, min_version)
+                    batch = self._sample(self.workers[w], tickets, min_version, trained_by)
                 except WorkerDied:
                     if not self._replace(w, tickets):
                         return
@@ -209,9 +216,9 @@ class AsyncRollouts:
                 self._flight.pop(w, None)
                 self._cond.notify_all()
 
-    def _admit(self, w: int) -> tuple[list[Ticket], int]:
-        """Wait until the bound lets worker w start a ticket; give it up to its share of a step's tickets, and
-        the weights version the newest of them needs. ([], 0) when closing."""
+    def _admit(self, w: int) -> tuple[list[Ticket], int, int]:
+        """Wait until the bound lets worker w start a ticket; give it up to its share of a step's tickets, the
+        weights version the newest of them needs and the version that trains the oldest. ([], 0, 0) when closing."""
         share = -(-self.groups_per_step // len(self.workers))
         start = time.perf_counter()
         with self._cond:
@@ -219,12 +226,14 @@ class AsyncRollouts:
                 self._cond.wait()
             self.waits["sampler_wait_s"] += time.perf_counter() - start
             if self._closing or self._error is not None:
-                return [], 0
+                return [], 0, 0
             tickets = []
             while len(tickets) < share and self._admissible(self._peek()):
                 tickets.append(self._pop())
             self._flight[w] = tickets
-            return tickets, max(self._trained_by(max(t.index for t in tickets)) - self.max_staleness, 0)
+            indices = [t.index for t in tickets]
+            return (tickets, max(self._trained_by(max(indices)) - self.max_staleness, 0),
+                    self._trained_by(min(indices)))
 
     def _trained_by(self, index: int) -> int:
         """The latest weights version ticket `index` can be trained by. The step in progress trains `version`; it has

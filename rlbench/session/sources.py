@@ -152,9 +152,9 @@ class AsyncSource(RolloutSource):
             session.state.rollouts_done += 1
             return example, mix(cfg.seed, session.state.rollouts_done - 1)
 
-        def sample(handle, tickets, min_version: int) -> Batch:
+        def sample(handle, tickets, min_version: int, trained_by: int) -> Batch:
             params = SamplingParams.of(cfg, n=cfg.samples_per_prompt, seeds=tuple(t.seed for t in tickets))
-            return handle.rollout([t.example for t in tickets], params, min_version)
+            return handle.rollout([t.example for t in tickets], params, min_version, trained_by)
 
         self.rollouts = AsyncRollouts(session.workers.rollout, max_staleness=mode.max_staleness,
                                       groups_per_step=cfg.prompts_per_step, draw=draw, sample=sample,
@@ -305,6 +305,10 @@ class Async(RolloutMode):
         if not isinstance(cfg.sampler, str) and self.workers > 1:
             raise ValueError(f"rollout_workers={self.workers} need a sampler each: a Sampler object is one "
                              f"(use sampler='hf' or 'vllm', or rollout_workers=1)")
+        if getattr(cfg.sampler, "tokens_per_update", None) is not None and algorithm.filter_groups:
+            raise ValueError(f"a sampler paced by the trainer (tokens_per_update) waits for weights that dynamic "
+                             f"sampling (algorithm {algorithm.name!r}) may need its groups to make: use "
+                             f"seconds_per_token, or an algorithm without filter_groups")
         if cfg.sampler == "vllm" and cfg.cluster == "inline" and self.workers > 1:
             raise ValueError("vLLM runs one engine per process: rollout_workers > 1 with sampler='vllm' needs "
                              "cluster='ray'")

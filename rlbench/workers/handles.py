@@ -287,14 +287,15 @@ class SamplerHandle:
         except (OSError, TypeError, ValueError) as error:
             raise ValueError(f"example {i} ({str(example['prompt'])[:60]!r}): {error}") from error
 
-    def rollout(self, examples: list[dict], params: SamplingParams, min_version: int) -> Batch:
+    def rollout(self, examples: list[dict], params: SamplingParams, min_version: int,
+                trained_by: int | None = None) -> Batch:
         """An asynchronous run's rollout (`rl.samplers.PartialRollouts.rollout`): `generate`'s table plus
         `token_version [B, T]`, the weights version that drew each token (new weights are taken mid-generation).
         A dead worker raises WorkerDied: the caller draws the examples again, after `replace()`."""
         encoded = [self.encode_example(i, e) for i, e in enumerate(examples)]
         prompt_ids, inputs = [ids for ids, _, _ in encoded], [pixels for _, pixels, _ in encoded]
         out = self._call(PartialRollouts.rollout, prompt_ids, params, min_version, inputs if any(inputs) else None,
-                         again=False)
+                         trained_by, again=False)
         return self._table(examples, prompt_ids, out, params.n, [(images, pixels) for _, pixels, images in encoded])
 
     def push_weights(self, weights, version: int) -> None:
@@ -306,6 +307,14 @@ class SamplerHandle:
             if self._replacing:
                 return
         self._call(PartialRollouts.push_weights, weights, version, again=False)
+
+    def release(self) -> None:
+        """Asynchronous runs, closing: a rollout waiting for weights (paced by the trainer) goes on without them
+        (`rl.samplers.PartialRollouts.release`)."""
+        with self._swap:
+            if self._replacing:
+                return
+        self._call(PartialRollouts.release, again=False)
 
     def _table(self, examples: list[dict], prompt_ids: list[list[int]], out: Batch, n: int,
                images: list[tuple[list, dict]] | None = None) -> Batch:
