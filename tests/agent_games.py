@@ -32,19 +32,13 @@ def call(name: str, **arguments) -> str:
 
 class Sums(rl.Game):
     """Three sums; each answer (digits, then EOS) is an action, the next sum comes back as the observation; a
-    right answer's turn reward is 1. `slow`: seconds the step of the first sum (a == slow_a) takes."""
-
-    slow, slow_a = 0.0, None
+    right answer's turn reward is 1."""
 
     def reset(self, a, b, **_):
         self.a, self.sums, self.i = a, [(a, b), (b, 7), (a, 3)], 0
         return f"{a}+{b}="
 
     def step(self, action: str):
-        if self.a == self.slow_a and self.i == 0:
-            import time
-
-            time.sleep(self.slow)
         right = action.strip() == str(sum(self.sums[self.i]))
         self.i += 1
         done = self.i == len(self.sums)

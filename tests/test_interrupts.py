@@ -79,15 +79,26 @@ def wait_for(child: subprocess.Popen, line: str) -> list[str]:
     return before
 
 
-def fifty_interrupts(child: subprocess.Popen, done: Path, *, after: str) -> tuple[str, str]:
-    """Send the child 50 SIGINTs, each once it handled the last one and printed `after` since (one Ctrl-C at a time),
-    at a random moment up to 0.3 s later; the 50th after touching `done`. Its (stdout, stderr) once it ends."""
+def said(child: subprocess.Popen, text: str) -> str:
+    """Read the child's stderr up to the line holding `text` (rlbench's "finishing ... before stopping": a Ctrl-C
+    was handled); that line."""
+    while got := child.stderr.readline():
+        if text in got:
+            return got
+    raise AssertionError(f"the child ended before saying {text!r}: {child.stdout.read()[-3000:]}")
+
+
+def fifty_interrupts(child: subprocess.Popen, done: Path, *, after: list[tuple[str, float]]) -> tuple[str, str]:
+    """Send the child 50 SIGINTs, each once it handled the last one and printed a line since (one Ctrl-C at a
+    time): the i-th after `after[i % len(after)]` = (line, seconds), at a random moment up to that many seconds
+    later; the 50th after touching `done`. Its (stdout, stderr) once it ends."""
     times = random.Random(0)
     try:
         for i in range(50):
             wait_for(child, "interrupted" if i else "ready")
-            wait_for(child, after)
-            time.sleep(times.uniform(0.0, 0.3))
+            line, seconds = after[i % len(after)]
+            wait_for(child, line)
+            time.sleep(times.uniform(0.0, seconds))
             if i == 49:
                 done.touch()
             child.send_signal(signal.SIGINT)
@@ -99,7 +110,7 @@ def fifty_interrupts(child: subprocess.Popen, done: Path, *, after: str) -> tupl
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_fifty_interrupts_leave_the_bookkeeping_whole(tmp_path, overlap):
     child = start(tmp_path, CHILD, str(tmp_path / "runs"), str(tmp_path / "done"), "1" if overlap else "0")
-    out, err = fifty_interrupts(child, tmp_path / "done", after="step")
+    out, err = fifty_interrupts(child, tmp_path / "done", after=[("step", 0.3)])
     assert child.returncode == 0, err[-3000:]
     facts = json.loads(out.strip().splitlines()[-1])
     steps = facts["steps"]
@@ -117,8 +128,7 @@ def test_a_second_interrupt_within_a_second_stops_at_once_and_the_session_refuse
         s = rl.Session(model="tiny-arith", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, cluster="inline",
                        log_dir=None, threads=1, save_dir=sys.argv[1])
         slow_score = s.score
-        s.score = lambda batch: (time.sleep(3), slow_score(batch))[1]
-        print("ready", flush=True)
+        s.score = lambda batch: (print("scoring", flush=True), time.sleep(3600), slow_score(batch))[2]
         try:
             s.step()
         except rl.interrupts.StepAborted as error:
@@ -135,11 +145,10 @@ def test_a_second_interrupt_within_a_second_stops_at_once_and_the_session_refuse
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "checkpoints")], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
-        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
-        time.sleep(1.0)
+        wait_for(child, "scoring")  # inside step 0, which would take an hour
         child.send_signal(signal.SIGINT)
-        time.sleep(0.3)
-        child.send_signal(signal.SIGINT)
+        said(child, "finishing step 0 before stopping")
+        child.send_signal(signal.SIGINT)  # as soon as the first was handled: within its second
         out, err = child.communicate(timeout=120)
     finally:
         child.kill()
@@ -147,7 +156,6 @@ def test_a_second_interrupt_within_a_second_stops_at_once_and_the_session_refuse
     assert "refused: interrupted twice" in out and "Session.restore" in out
     assert "save refused: save: interrupted twice during step 0" in out
     assert not list((tmp_path / "checkpoints").glob("*step-*"))  # (the folder holds the open session's .lock)
-    assert "finishing step 0 before stopping" in err
 
 
 SAVER = textwrap.dedent("""
@@ -169,6 +177,7 @@ SAVER = textwrap.dedent("""
                 s.step()
                 weights = {k: v for k, v in weights.items() if k > s.step_count - 3}
                 weights[s.step_count] = {k: v.clone() for k, v in s.policy.state_dict().items()}
+                print("saving", flush=True)
                 s.save()
                 print("saved", flush=True)
         except KeyboardInterrupt as error:
@@ -194,7 +203,8 @@ def test_fifty_interrupts_during_saves_leave_every_checkpoint_whole(tmp_path):
     """The attack: a Ctrl-C inside torch's zip writer aborted the whole process (`terminate called after throwing an
     instance of 'pybind11::error_already_set'`, exit 134: a notebook's kernel dies), or was reported as a full disk."""
     child = start(tmp_path, SAVER, str(tmp_path / "checkpoints"), str(tmp_path / "done"))
-    out, err = fifty_interrupts(child, tmp_path / "done", after="saved")  # anywhere in a step and its save
+    # every other Ctrl-C anywhere in a step and its save; the others early in a save (which takes 0.1 s or more)
+    out, err = fifty_interrupts(child, tmp_path / "done", after=[("saved", 0.3), ("saving", 0.05)])
     assert child.returncode == 0, err[-3000:]
     facts = json.loads(out.strip().splitlines()[-1])
     assert len(facts["said"]) == 50
@@ -209,15 +219,21 @@ def test_fifty_interrupts_during_saves_leave_every_checkpoint_whole(tmp_path):
 def test_a_double_interrupt_during_a_save_lets_it_finish(tmp_path):
     """A save is never stopped midway (that would cut a file torch is writing): both Ctrl-Cs wait for it."""
     code = textwrap.dedent("""
-        import sys, time
+        import os, sys, time
         import rlbench as rl
         from rlbench.runs import checkpoints
         s = rl.Session(model="tiny-arith", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, cluster="inline",
                        log_dir=None, threads=1, save_dir=sys.argv[1])
         s.step()
         write = s.state.save
-        s.state.save = lambda path: (time.sleep(2), write(path))[1]  # a save slow enough to be interrupted twice
-        print("ready", flush=True)
+
+        def held(path):  # a save that waits, inside, for the test's two Ctrl-Cs
+            print("saving", flush=True)
+            while not os.path.exists(sys.argv[2]):
+                time.sleep(0.01)
+            write(path)
+
+        s.state.save = held
         try:
             s.save()
         except KeyboardInterrupt as error:
@@ -226,45 +242,53 @@ def test_a_double_interrupt_during_a_save_lets_it_finish(tmp_path):
         s.step()
         print("went on", flush=True)
     """)
-    child = start(tmp_path, code, str(tmp_path / "checkpoints"))
+    child = start(tmp_path, code, str(tmp_path / "checkpoints"), str(tmp_path / "go"))
     try:
-        wait_for(child, "ready")
-        time.sleep(1.0)
-        child.send_signal(signal.SIGINT)
-        time.sleep(0.3)
-        child.send_signal(signal.SIGINT)
+        wait_for(child, "saving")
+        held = []
+        for _ in range(2):
+            child.send_signal(signal.SIGINT)
+            held.append(said(child, "finishing the save of step 1 before stopping"))
+        (tmp_path / "go").touch()
         out, err = child.communicate(timeout=120)
     finally:
         child.kill()
     assert child.returncode == 0, err[-3000:]
     assert "interrupted: interrupted: the save of step 1 finished first" in out
     assert "damage: None" in out and "went on" in out
-    assert "finishing the save of step 1 before stopping" in err
+    assert "it cannot be stopped midway" in held[1]
 
 
 def test_an_interrupt_during_run_still_writes_the_checkpoint_due_after_the_step(tmp_path):
     """The attack: with save_every, a Ctrl-C during the step before a save stopped after the step, and its checkpoint
     was never written."""
     code = textwrap.dedent("""
-        import sys, time
+        import os, sys, time
         import rlbench as rl
         from rlbench.runs import checkpoints
         s = rl.Session(model="tiny-arith", prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8, cluster="inline",
                        log_dir=None, threads=1, save_dir=sys.argv[1], save_every=1)
-        slow_score = s.score
-        s.score = lambda batch: (time.sleep(2), slow_score(batch))[1]
-        print("ready", flush=True)
+        score = s.score
+
+        def held(batch):  # step 0's scoring waits for the test's Ctrl-C
+            print("scoring", flush=True)
+            while not os.path.exists(sys.argv[2]):
+                time.sleep(0.01)
+            return score(batch)
+
+        s.score = held
         try:
             s.run(3, progress=False)
         except KeyboardInterrupt as error:
             print("interrupted:", error, flush=True)
         print("steps:", s.step_count, [f.name for f in checkpoints.step_dirs(sys.argv[1])], flush=True)
     """)
-    child = start(tmp_path, code, str(tmp_path / "checkpoints"))
+    child = start(tmp_path, code, str(tmp_path / "checkpoints"), str(tmp_path / "go"))
     try:
-        wait_for(child, "ready")
-        time.sleep(1.0)
+        wait_for(child, "scoring")
         child.send_signal(signal.SIGINT)
+        said(child, "rlbench: finishing step 0")
+        (tmp_path / "go").touch()
         out, err = child.communicate(timeout=120)
     finally:
         child.kill()
@@ -274,28 +298,44 @@ def test_an_interrupt_during_run_still_writes_the_checkpoint_due_after_the_step(
 
 
 UPDATER = textwrap.dedent("""
-    import json, sys
+    import json, os, sys, time
     import torch
     import rlbench as rl
 
     # 128 rows of one sequence per micro-batch (each on its own: a packed micro-batch counts a group's prompt once,
-    # and two rows would fit): an update long enough (~1 s) to be interrupted midway
+    # and two rows would fit): an update of many micro-batches
     settings = dict(model="tiny-arith", prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8, cluster="inline",
                     seed=0, threads=1, log_dir=None, micro_batch_tokens=16, attention="per_sample",
                     save_dir=sys.argv[1])
     s, twin = rl.Session(**settings), rl.Session(**settings | {"save_dir": None})
     batch = s.advantage(s.collect())
-    print("updating", flush=True)
+    held = {"until": None, "backwards": 0}
+
+    def hold():  # in an update the test holds, the second micro-batch waits (its first's gradients in) for a file
+        held["backwards"] += 1
+        if held["until"] and held["backwards"] == 2:
+            print("mid-update", flush=True)
+            while not os.path.exists(held["until"]):
+                time.sleep(0.01)
+
+    s.policy.workers.hosts[0].objects["policy"].set_before_backward(hold)
+
+    def updating(until):
+        held.update(until=os.path.join(sys.argv[2], until), backwards=0)
+        print("updating", flush=True)
+
+    updating("go-1")
     try:
         s.update(batch)
     except KeyboardInterrupt as error:
         print("interrupted:", error, flush=True)
+    held["until"] = None
     twin.update(batch)  # the same update, not interrupted
     ours, theirs = s.update(batch), twin.update(batch)  # the attack: a cut update left its gradients to this one
     weights, twin_weights = s.policy.state_dict(), twin.policy.state_dict()
     print(json.dumps(dict(grad_norms=[ours["grad_norm"], theirs["grad_norm"]],
                           same_weights=all(torch.equal(weights[k], twin_weights[k]) for k in weights))), flush=True)
-    print("updating", flush=True)
+    updating("go-2")  # (never there: the second Ctrl-C stops the update)
     try:
         s.update(batch)
     except rl.interrupts.StepAborted as error:
@@ -311,16 +351,17 @@ UPDATER = textwrap.dedent("""
 def test_an_interrupt_during_an_update_lets_it_finish_and_a_second_one_stops_it_for_good(tmp_path):
     """`s.update(batch)` in a cell: the attack was a Ctrl-C between micro-batches, which left their gradients in
     `.grad` for the next update to add to its own (another grad norm, other weights, no warning)."""
-    child = start(tmp_path, UPDATER, str(tmp_path / "checkpoints"))
+    child = start(tmp_path, UPDATER, str(tmp_path / "checkpoints"), str(tmp_path))
     try:
-        wait_for(child, "updating")
-        time.sleep(0.3)
+        wait_for(child, "mid-update")
         child.send_signal(signal.SIGINT)
+        said(child, "finishing the update before stopping")
+        (tmp_path / "go-1").touch()
         first = wait_for(child, "updating")
-        time.sleep(0.2)
+        wait_for(child, "mid-update")
         child.send_signal(signal.SIGINT)
-        time.sleep(0.2)
-        child.send_signal(signal.SIGINT)
+        said(child, "finishing the update before stopping")
+        child.send_signal(signal.SIGINT)  # as soon as the first was handled: within its second
         out, err = child.communicate(timeout=120)
     finally:
         child.kill()

@@ -92,17 +92,17 @@ NOT_EXCEPTIONS = [  # BaseExceptions that are not Exceptions, and the reason rec
 @pytest.mark.parametrize(("make_exception", "reason"), NOT_EXCEPTIONS, ids=[r.split()[0] for _, r in NOT_EXCEPTIONS])
 def test_keyboard_interrupt_or_system_exit_raised_by_a_reward_fails_its_sample_at_once(make_exception, reason,
                                                                                       workers, processes):
-    # It used to end the worker thread, so the sample was "timed out after 10 s" after 10 s (and, with one worker,
+    # It used to end the worker thread, so the sample was "timed out after 120 s" after 120 s (and, with one worker,
     # every later sample waited for that too); a worker process died ("exit code 1") with a traceback.
     start = time.monotonic()
-    scores = score_all(_raising(make_exception), COMPLETIONS * 2, EXAMPLES * 2, on_error="zero", timeout_s=10,
+    scores = score_all(_raising(make_exception), COMPLETIONS * 2, EXAMPLES * 2, on_error="zero", timeout_s=120,
                        workers=workers, processes=processes)
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 60  # at once: well before the time limit, also on a busy machine
     assert scores.error == [None, None, None, reason] * 2 and scores.score == [1.0, 1.0, 1.0, 0.0] * 2
     start = time.monotonic()
     with pytest.raises(RewardError) as raised:
-        score_all(_raising(make_exception), COMPLETIONS, EXAMPLES, timeout_s=10, workers=workers, processes=processes)
-    assert time.monotonic() - start < 3
+        score_all(_raising(make_exception), COMPLETIONS, EXAMPLES, timeout_s=120, workers=workers, processes=processes)
+    assert time.monotonic() - start < 60
     assert str(raised.value) == f"reward failed on sample 3 (completion 'oops'): {reason}"
 
 
@@ -148,8 +148,8 @@ def test_the_users_ctrl_c_stops_scoring_at_once_and_the_workers_with_it(mode, de
     before = set(threading.enumerate())
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        score_all(reward, ["a"] * 3 + ["ctrl-c"] + ["a"] * 300, [{}] * 304, **mode)  # 30 s to score them all
-    assert time.monotonic() - start < 3
+        score_all(reward, ["a"] * 3 + ["ctrl-c"] + ["a"] * 3000, [{}] * 3004, **mode)  # 75 s or more to score them all
+    assert time.monotonic() - start < 30
     calls_when_stopped = len(called)
     time.sleep(0.5)  # each worker thread finishes its sample (0.1 s) and takes no other
     assert len(called) == calls_when_stopped
@@ -169,7 +169,7 @@ def test_a_hanging_reward_times_out_and_the_others_still_score(processes):
     start = time.monotonic()
     scores = score_all(_hangs_on_sample_2, COMPLETIONS, EXAMPLES, on_error="zero", timeout_s=0.5, workers=2,
                        processes=processes)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # the 60 s hang was not waited for
     assert scores.score == [1.0, 1.0, 0.0, 1.0]
     assert scores.error == [None, None, "timed out after 0.5 s", None]
     with pytest.raises(RewardError, match=r"sample 2 \(completion 'hang'\): timed out after 0.5 s"):
@@ -205,9 +205,15 @@ def test_an_unpicklable_result_from_a_process_is_recorded():
 
 
 def test_threads_run_in_parallel():
-    start = time.monotonic()
-    score_all(lambda c, e: time.sleep(0.5) or 1.0, ["a"] * 4, [{}] * 4, workers=4, timeout_s=10)
-    assert time.monotonic() - start < 1.5
+    """Each of the 4 samples waits for the other 3 to be scored at once: one after the other, the first would fail."""
+    together = threading.Barrier(4, timeout=30)
+
+    def reward(completion, example):
+        together.wait()
+        return 1.0
+
+    scores = score_all(reward, ["a"] * 4, [{}] * 4, workers=4, timeout_s=60)
+    assert scores.score == [1.0] * 4
 
 
 def test_serial_mode_runs_in_the_calling_thread():

@@ -340,7 +340,7 @@ time.sleep(3600)
     start = time.monotonic()
     run = run_python(code, mode=mode, limits=Limits(wall_s=1.5, cpu_s=10), tripwire=False)
     assert run.status == "timeout" and run.returncode == -9 and int(run.stdout) <= 3  # a low pid of its own ns
-    assert time.monotonic() - start < 1.5 + 2.0
+    assert time.monotonic() - start < 1.5 + 30  # the group's hour-long sleeper was killed, not waited for
     assert jail_processes() == []
     assert run_python("print('next')", mode=mode, limits=FAST).stdout == "next\n"
 
@@ -377,7 +377,9 @@ print((os.getuid(), sorted(set(hits)), os.listdir('.')))
     runs = {}
     a = threading.Thread(target=lambda: runs.update(a=run_python(a_code, mode=mode, limits=FAST)))
     a.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while not jail_processes() and time.monotonic() < deadline:  # A is running
+        time.sleep(0.01)
     runs["b"] = run_python(b_code, mode=mode, limits=FAST, tripwire=False)
     a.join()
     assert runs["a"].ok and runs["a"].stdout == "a done\n"
@@ -680,12 +682,12 @@ def test_an_endless_loop_is_stopped_by_the_cpu_or_the_wall_clock():
     start = time.monotonic()
     run = run_python("while True:\n    pass", limits=Limits(cpu_s=1, wall_s=3.0))
     assert run.status in ("cpu_time", "timeout") and not run.ok
-    assert time.monotonic() - start < 3.0 + 2.0
+    assert time.monotonic() - start < 3.0 + 30  # stopped, not left to run (a generous bound for a busy machine)
 
 
 def test_sleeping_forever_is_stopped_by_the_wall_clock():
     run = run_python("import time\ntime.sleep(3600)", limits=Limits(wall_s=1.0))
-    assert run.status == "timeout" and run.returncode == -9 and 1.0 <= run.wall_s < 3.0
+    assert run.status == "timeout" and run.returncode == -9 and 1.0 <= run.wall_s < 30
 
 
 def test_printing_a_gigabyte_is_cut_at_the_output_limit():

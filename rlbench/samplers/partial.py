@@ -167,7 +167,8 @@ class PartialRollouts:
         """Wait (not holding the turn: evaluation goes on, and may copy them in) until weights newer than `version`
         are pushed, or `release()`."""
         with self._turn:
-            while not (self._released or self.version > version or (self._pending or (None, -1))[1] > version):
+            while not (self._released or self.version > version
+                       or (self._pending is not None and self._pending[1] > version)):
                 self._turn.wait()
 
     def _call(self, prompt_ids, params: SamplingParams, images: Sequence[dict] | None = None) -> Batch:
