@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"step {row['step']:4d}  reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}  "
               f"entropy {row['entropy']:.3f}  len {row['response_length']:.1f}  {row['time_step']:.2f}s", flush=True)
     train_seconds = time.perf_counter() - start
-    if settings == _settings([]):  # the quickstart's own run: keep its model as `trained(steps, seed)`
+    if settings == _settings([]):  # the quickstart's own run: kept as `trained(steps, seed)` unless that one ships
         build_cached(_trained_dir(args.steps, args.seed), lambda: _trained_model(session))
     after = session.evaluate()
     print(f"after:  greedy accuracy {after['greedy_accuracy']:.3f}, sampled {after['sampled_accuracy']:.3f}")
@@ -80,16 +80,17 @@ TEACHER = GRPO_NAME
 """The built-in model name of `trained(300, seed)`: the teacher of on-policy distillation's demonstration."""
 
 
-def trained(steps: int = 300, seed: int = 0) -> Path:
-    """The quickstart's model after `steps` GRPO steps (one torch thread), as a Hugging Face model folder cached
-    under `$RLBENCH_CACHE/models/tiny-arith-grpo{steps}-seed{seed}` (built on first use, about 45 s at 300 steps;
-    greedy held-out accuracy 0.8 at seed 0 on 2026-12-04, at least 0.7 by tests/test_distill.py): the teacher of on-policy distillation's demonstration
-    (`benchmarks/distillation.py`), the built-in model `TEACHER` at 300 steps."""
+def trained(steps: int = 300, seed: int = 0, *, shipped: bool = True) -> Path:
+    """The quickstart's model after `steps` GRPO steps (one torch thread), as a Hugging Face model folder: at 300
+    steps and seed 0 the one that ships with rlbench (`tiny-arith-grpo300-seed0`, unless `shipped` is False), else
+    cached under `$RLBENCH_CACHE/models/tiny-arith-grpo{steps}-seed{seed}` and built on first use (about 45 s at
+    300 steps). The teacher of on-policy distillation's demonstration (`benchmarks/distillation.py`), the built-in
+    model `TEACHER` at 300 steps (tests/test_distill.py asserts the shipped one's held-out greedy accuracy)."""
     def train():
         with rl.Session(**SETTINGS, seed=seed, log_dir=None) as session:
             session.run(steps=steps, progress=False)
             return _trained_model(session)
-    return build_cached(_trained_dir(steps, seed), train)
+    return build_cached(_trained_dir(steps, seed), train, shipped=shipped)
 
 
 def _trained_dir(steps: int, seed: int) -> Path:
@@ -103,9 +104,9 @@ def _trained_model(session: rl.Session):
     return model, session.tokenizer
 
 
-def teacher(seed: int) -> Path:
+def teacher(seed: int, *, shipped: bool = True) -> Path:
     """The built-in model `TEACHER` (`rl.models.resolve("tiny-arith-grpo")` imports this module to build it)."""
-    return trained(300, seed)
+    return trained(300, seed, shipped=shipped)
 
 
 def _save_curve(metrics, path: Path) -> None:

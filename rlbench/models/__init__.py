@@ -1,10 +1,11 @@
 """Models: the built-in offline tiny models, loading of local Hugging Face model directories, and LoRA adapters
 (`lora.py`: their shape, deltas, merge and peft folder).
 
-Nothing here touches the network: a built-in name is built on this machine (once, then cached) and
-everything is loaded with `local_files_only=True`.
+Nothing here touches the network: a built-in name's seed 0 ships with rlbench (rlbench/models/weights/, the same
+bytes on every machine; `python -m rlbench.models.build NAME` is the recipe that made it), another seed is built on
+this machine (once, then cached), and everything is loaded with `local_files_only=True`.
 
-    path = rlbench.models.resolve("tiny-arith")          # ~/.cache/rlbench/models/tiny-arith-v1-seed0
+    path = rlbench.models.resolve("tiny-arith")          # .../rlbench/models/weights/tiny-arith-v1-seed0
     model, tokenizer = rlbench.models.load("tiny-arith")  # or load("/path/to/hf/checkpoint")
 """
 
@@ -38,10 +39,10 @@ _BUILTINS: dict[str, Callable[[int], Path] | str] = {tiny_arith.NAME: tiny_arith
                                                       tiny_tools.NAME: tiny_tools.ensure_built,
                                                       tiny_vl.NAME: tiny_vl.ensure_built,
                                                       tiny_arith.GRPO_NAME: "rlbench.quickstart:teacher"}
-"""Built-in model name -> function of the seed returning its (cached, built on demand) directory, or where that
-function lives (`"module:function"`) when an RL run of the layers above builds it (tiny-arith-grpo, the quickstart's
-trained model): that module is imported when the name is first resolved, so importing rlbench imports no top-floor
-module."""
+"""Built-in model name -> function of the seed returning its directory (shipped, or cached and built on demand;
+`shipped=False` builds it whatever ships), or where that function lives (`"module:function"`) when an RL run of the
+layers above builds it (tiny-arith-grpo, the quickstart's trained model): that module is imported when the name is
+first resolved, so importing rlbench imports no top-floor module."""
 
 
 def register(name: str, build: Callable[[int], Path] | str) -> None:
@@ -68,7 +69,8 @@ def names() -> list[str]:
 
 
 def resolve(model: str | os.PathLike, *, seed: int = 0) -> Path:
-    """A built-in name -> its cached directory (built if missing); a local HF model directory -> itself.
+    """A built-in name -> its shipped directory (seed 0), or its cached one (built if missing); a local HF model
+    directory -> itself.
 
     `seed` selects the built-in's build (ignored for directories). Raises ValueError otherwise.
     """

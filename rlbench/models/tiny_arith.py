@@ -79,14 +79,14 @@ def cache_dir(seed: int = 0, name: str = NAME) -> Path:
     return cache_root() / f"{name}-v{VERSION}-seed{seed}"
 
 
-def ensure_built(seed: int = 0) -> Path:
-    """The cached model directory for `seed`, built first if missing (see `warm_start.build_cached`)."""
-    return build_cached(cache_dir(seed), lambda: train_tiny_arith(seed))
+def ensure_built(seed: int = 0, *, shipped: bool = True) -> Path:
+    """The model directory for `seed`: shipped with rlbench, or cached and built first if missing (`build_cached`)."""
+    return build_cached(cache_dir(seed), lambda: train_tiny_arith(seed), shipped=shipped)
 
 
-def ensure_built_small(seed: int = 0) -> Path:
-    """`SMALL_NAME`'s cached model directory for `seed`, built first if missing."""
-    return build_cached(cache_dir(seed, SMALL_NAME), lambda: train_tiny_arith(seed, layers=1))
+def ensure_built_small(seed: int = 0, *, shipped: bool = True) -> Path:
+    """`SMALL_NAME`'s model directory for `seed`: shipped, or cached and built first if missing (`build_cached`)."""
+    return build_cached(cache_dir(seed, SMALL_NAME), lambda: train_tiny_arith(seed, layers=1), shipped=shipped)
 
 
 def train_tiny_arith(seed: int = 0, layers: int = 2) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerBase]:

@@ -59,9 +59,9 @@ def cache_dir(seed: int = 0) -> Path:
     return cache_root() / f"{NAME}-v{VERSION}-seed{seed}"
 
 
-def ensure_built(seed: int = 0) -> Path:
-    """The cached model directory for `seed`, built first if missing."""
-    return build_cached(cache_dir(seed), lambda: train_tiny_mix(seed))
+def ensure_built(seed: int = 0, *, shipped: bool = True) -> Path:
+    """The model directory for `seed`: shipped with rlbench, or cached and built first if missing (`build_cached`)."""
+    return build_cached(cache_dir(seed), lambda: train_tiny_mix(seed), shipped=shipped)
 
 
 def train_tiny_mix(seed: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerBase]:

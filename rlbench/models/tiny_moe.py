@@ -41,9 +41,9 @@ def cache_dir(seed: int = 0) -> Path:
     return cache_root() / f"{NAME}-v{VERSION}-seed{seed}"
 
 
-def ensure_built(seed: int = 0) -> Path:
-    """The cached model directory for `seed`, built first if missing (see `warm_start.build_cached`)."""
-    return build_cached(cache_dir(seed), lambda: train_tiny_moe(seed))
+def ensure_built(seed: int = 0, *, shipped: bool = True) -> Path:
+    """The model directory for `seed`: shipped with rlbench, or cached and built first if missing (`build_cached`)."""
+    return build_cached(cache_dir(seed), lambda: train_tiny_moe(seed), shipped=shipped)
 
 
 def train_tiny_moe(seed: int = 0) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokenizerBase]:

@@ -2,7 +2,9 @@
 
 A built-in model is a fresh tiny Qwen2 trained with supervision (loss on the answer and EOS only) until
 a held-out accuracy check lands in [stop_at, overshoot], so that an RL run starts with signal and room
-to improve; it is saved once under `$RLBENCH_CACHE/models/` (default `~/.cache/rlbench`).
+to improve. Seed 0 of each built-in ships with rlbench (`SHIPPED`: the same bytes on every machine, made by
+`python -m rlbench.models.build NAME --ship`); another seed is built on first use and saved once under
+`$RLBENCH_CACHE/models/` (default `~/.cache/rlbench`).
 """
 
 from __future__ import annotations
@@ -30,15 +32,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLBENCH_CACHE") or Path.home() / ".cache" / "rlbench") / "models"
 
 
-def build_cached(final: Path, train: Callable[[], tuple[PreTrainedModel, PreTrainedTokenizerBase]]) -> Path:
-    """`final`, after building it with `train()` if it has no config.json yet: (model, tokenizer, anything else
-    saved with `save_pretrained` beside them).
+SHIPPED = Path(__file__).parent / "weights"
+"""The built-in models that ship with rlbench, one folder each, named as their build's cache folder
+(`tiny-arith-v1-seed0`). A model trained on the user's machine would differ from machine to machine (each CPU
+rounds its own way), and so would every figure measured on it."""
+
+
+def build_cached(final: Path, train: Callable[[], tuple[PreTrainedModel, PreTrainedTokenizerBase]], *,
+                 shipped: bool = True) -> Path:
+    """The shipped folder named as `final` (`SHIPPED`) unless `shipped` is False; otherwise `final`, after building
+    it with `train()` if it has no config.json yet: (model, tokenizer, anything else saved with `save_pretrained`
+    beside them).
 
     Built into a temporary directory next to the final one, then renamed into place, so a directory
     under its final name is always complete. A second process of this machine asking for it meanwhile waits
     for the first's build instead of training it again (`_building`); of two builders that do not see each
     other's lock (two machines sharing the cache), the loser uses the winner's.
     """
+    if shipped and (SHIPPED / final.name / "config.json").is_file():
+        return SHIPPED / final.name
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
