@@ -54,11 +54,13 @@ def test_completions_cut_at_the_limit_are_warned_of_once_naming_the_setting():
 
 
 def test_tool_calls_cut_at_the_turn_limit_are_warned_of():
-    # at 16 tokens per turn every call of tiny-tools is cut (the greedy episodes that call, 69 of 200, all end so)
+    # at 16 tokens per turn every call of tiny-tools is cut (the greedy episodes that call, 155 of 200, all end so;
+    # accuracy 0.005: the same on the machine's own arithmetic, ATEN_CPU_CAPABILITY=avx2, and =default with
+    # MKL_CBWR=COMPATIBLE)
     with rl.Session(model="tiny-tools", task="calculator", max_new_tokens=16, **SMALL) as session:
-        with pytest.warns(UserWarning, match=r"evaluate \(greedy\): 69 of 200 episodes ended on a turn cut at "
+        with pytest.warns(UserWarning, match=r"evaluate \(greedy\): [1-9]\d* of 200 episodes ended on a turn cut at "
                                              r"max_new_tokens=16 \(per turn\), against 0 tool calls that gave a result"):
-            assert session.evaluate()["greedy_accuracy"] == 0.0
+            assert session.evaluate()["greedy_accuracy"] < 0.05  # only direct answers can score (measured 0.005)
 
 
 class Constant(rl.tasks.Arithmetic):
@@ -78,10 +80,11 @@ def test_a_step_whose_every_advantage_is_0_is_warned_of():
 @pytest.mark.slow
 def test_the_calculator_learns_with_the_settings_a_user_types():
     # nothing but the model, the task and the algorithm: the task brings its turn length. Measured with the default
-    # settings (16 prompts x 8 episodes, lr 1e-4): 0.19 -> 0.515 in 20 steps (tool success 0.97), 0.71 in 60
+    # settings (16 prompts x 8 episodes, lr 1e-4): 0.2 -> 0.575 in 20 steps, tool success 0.91, on the machine's own
+    # arithmetic, ATEN_CPU_CAPABILITY=avx2, and =default with MKL_CBWR=COMPATIBLE alike
     with rl.Session(model="tiny-tools", task="calculator", algorithm="grpo", log_dir=None) as session:
         before = session.evaluate()["greedy_accuracy"]
         metrics = session.run(20, progress=False)
         after = session.evaluate()["greedy_accuracy"]
-    assert before == 0.19 and after >= before + 0.15, (before, after)
+    assert 0.15 <= before <= 0.35 and after >= before + 0.15, (before, after)  # tiny-tools' band, then learning
     assert metrics["tool_success_rate"].mean() > 0.8 and metrics["ended_max_tokens"].fillna(0).max() < 0.1
