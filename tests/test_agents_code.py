@@ -154,14 +154,17 @@ def test_tool_math_is_a_built_in_task_over_verl_files(chat_dir, tokenizer, tmp_p
     rows = [{**e, "prompt": [{"role": "user", "content": e["prompt"]}], "ability": "math"} for e in EXAMPLES]
     rl.tasks.write_rows(rows, tmp_path / "train.parquet")
     rl.tasks.write_rows(rows[:1], tmp_path / "test.jsonl")
-    task = rl.tasks.get("tool_math", train=str(tmp_path / "train.parquet"), test=str(tmp_path / "test.jsonl"))
+    with pytest.raises(ValueError, match=r"1 of its 3 rows have the prompt of a row of the test set"):
+        rl.tasks.get("tool_math", train=str(tmp_path / "train.parquet"), test=str(tmp_path / "test.jsonl"))
+    task = rl.tasks.get("tool_math", train=str(tmp_path / "train.parquet"), test=str(tmp_path / "test.jsonl"),
+                        duplicates="keep")  # (the test row is a training row: this test's shortcut)
     assert isinstance(task, rl.tasks.AgentTask) and task.name == "tool_math" and len(task.train) == 3
     assert task.test[0]["reward_model"]["ground_truth"] == "42" and task.tool_timeout_s is None
     assert [t.name for t in task.tools] == ["python"] and task.system == rl.tasks.tool_math.SYSTEM
     assert '<tool_call>\n{"name": "python", "arguments": {"code": "print(2**10)"}}\n</tool_call>' in task.system
     # the default system prompt fills a 512-position context of one token per character: a short one here
     task = rl.tasks.get("tool_math", train=str(tmp_path / "train.parquet"), test=str(tmp_path / "test.jsonl"),
-                        max_turns=2, timeout_s=30, shuffle=False, system="Use python.")
+                        max_turns=2, timeout_s=30, shuffle=False, system="Use python.", duplicates="keep")
     sampler = scripted(tokenizer, {0: call("python", code="print(6*7)")})
     s = rl.Session(model=chat_dir, task=task, sampler=sampler, cluster="inline", prompts_per_step=1,
                    samples_per_prompt=2, max_new_tokens=120)

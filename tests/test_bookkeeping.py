@@ -27,10 +27,13 @@ def test_two_sessions_in_the_same_second_get_their_own_run_folders(tmp_path):
 
 def test_a_run_folder_held_by_a_live_session_is_refused(tmp_path):
     with rl.Session(**SMALL, log_dir=str(tmp_path), run_name="mine") as first:
+        with pytest.raises(RuntimeError, match=r"mine.*held"):  # nothing logged yet: the name is taken by the lock
+            rl.Session(**SMALL, log_dir=str(tmp_path), run_name="mine")
         first.step()
         path = first.save()
-        with pytest.raises(RuntimeError, match=r"mine.*held"):
-            rl.Session(**SMALL, log_dir=str(tmp_path), run_name="mine")
+        with pytest.warns(UserWarning, match=r"holds an earlier run: this session is run 'mine-2'"):
+            with rl.Session(**SMALL, log_dir=str(tmp_path), run_name="mine") as second:  # a run of its own
+                assert second.run_name == "mine-2"
         with pytest.raises(RuntimeError, match=r"mine.*held"):
             rl.Session.restore(path)
     with rl.Session.restore(path) as restored:  # closed: the folder is free again

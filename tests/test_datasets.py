@@ -160,7 +160,7 @@ def test_round_trip_keeps_the_schema_unchanged(tmp_path, rows, suffix):
 
 def test_test_split_from_a_file_a_fraction_or_a_count(tmp_path, rows):
     train, test = tasks.write_rows(rows, tmp_path / "train.parquet"), tasks.write_rows(rows[:3], tmp_path / "t.parquet")
-    assert len(tasks.from_parquet(train, test=test).test) == 3
+    assert len(tasks.from_parquet(train, test=test, duplicates="keep").test) == 3  # (its rows are train's first 3)
     by_fraction = tasks.from_parquet(train, test=0.25, seed=1)
     assert (len(by_fraction.train), len(by_fraction.test)) == (15, 5)
     indices = [{e["extra_info"]["index"] for e in split} for split in (by_fraction.train, by_fraction.test)]
@@ -228,7 +228,7 @@ def test_chat_template_is_used_when_there_is_one():
 def test_prompt_length_policy(tokenizer, tmp_path):
     rows = [verl_row("1+1=", "2", index=0), verl_row("x" * 40, "2", index=1), verl_row("2+2=", "4", index=2)]
     task = tasks.from_parquet(tasks.write_rows(rows, tmp_path / "d.parquet"), test=tmp_path / "d.parquet",
-                              shuffle=False)
+                              shuffle=False, duplicates="keep")
     assert tasks.prompt_tokens(tokenizer, task.train) == [4, 40, 4]
     assert tasks.limit_prompt_tokens(task, tokenizer, None) is task
     assert tasks.limit_prompt_tokens(task, tokenizer, 40) is task

@@ -74,11 +74,13 @@ def test_tool_math_recipe_follows_verl_tool_and_validates_without_its_files(tmp_
                        ("prepare_math", ["--subset", "math500", "--test", str(DATASETS / "samples" / "math500.jsonl")])]:
         subprocess.run([sys.executable, str(DATASETS / f"{name}.py"), *args, "--out", str(tmp_path)], check=True,
                        capture_output=True)
+    # (the shipped samples share 8 of their 16 problems: here the training copies are dropped)
     recipe = recipes.load(GPU_RECIPES[3], [f"session.task.train={tmp_path / 'train.parquet'}",
-                                           f"session.task.test={tmp_path / 'test.parquet'}"])
+                                           f"session.task.test={tmp_path / 'test.parquet'}",
+                                           "session.task.duplicates=drop"])
     task = recipe.session_kwargs()["task"]
     assert isinstance(task, rl.tasks.AgentTask) and task.name == "tool_math" and task.max_turns == 10
-    assert (len(task.train), len(task.test)) == (16, 16) and [t.name for t in task.tools] == ["python"]
+    assert (len(task.train), len(task.test)) == (8, 16) and [t.name for t in task.tools] == ["python"]
     assert task.train[0]["data_source"] == "zwhe99/DeepMath-103K" and task.max_context_tokens == 4096
 
 
@@ -218,7 +220,7 @@ def test_the_geo3k_recipe_follows_verls_vision_example_and_its_data_carries_diag
                    capture_output=True)
     recipe = recipes.load(ALGORITHMS / "grpo" / "geo3k-qwen2.5-vl-7b.toml", [
         f"session.task.train={tmp_path / 'geo3k' / 'train.parquet'}",
-        f"session.task.test={tmp_path / 'geo3k' / 'test.parquet'}"])
+        f"session.task.test={tmp_path / 'geo3k' / 'test.parquet'}", "session.task.duplicates=keep"])  # (one file)
     task = recipe.session_kwargs()["task"]
     assert rl.tasks.has_images(task) and len(task.train) == 2 and task.train[1]["data_source"] == "hiyouga/geometry3k"
     assert rl.models.vision.load_image(task.train[1]["images"][0]).size == (56, 56)

@@ -64,7 +64,7 @@ def test_a_text_model_refuses_images_it_would_train_as_text(task, tmp_path):
     row = {"data_source": "shapes", "prompt": [{"role": "user", "content": "<image>how many?="}],
            "images": [{"bytes": buffer.getvalue(), "path": None}], "reward_model": {"ground_truth": "1"}}
     path = rl.tasks.write_rows([row, dict(row, images=[])], tmp_path / "vl.parquet")
-    data = rl.tasks.from_parquet(path, test=path, reward=lambda completion, example: 0.0)
+    data = rl.tasks.from_parquet(path, test=path, reward=lambda completion, example: 0.0, duplicates="keep")
     with pytest.raises(ValueError, match="example .* of task .*: it has 1 image.s. .* text-only"):
         rl.Session(model="tiny-arith", task=data, cluster="inline", log_dir=None)
 

@@ -13,6 +13,9 @@ Every failure is recorded on its sample with the reason, never turned silently i
 With `on_error="raise"` the first failure stops scoring with a `RewardError` naming the sample; with
 "zero" a failed sample scores 0 and keeps its reason in `Scores.error`.
 
+Each call gets its own copy of its example (`own_copy`): a reward that writes into it changes neither the task's
+data nor the next sample's.
+
 Where rewards run:
 - `workers=1`, no `timeout_s`: one after another in the calling thread (`breakpoint()` works in a reward).
   There a KeyboardInterrupt cannot be told from the user's Ctrl-C, so it stops scoring; elsewhere it is the
@@ -32,6 +35,7 @@ worker processes are killed and the worker threads take no further sample.
 
 from __future__ import annotations
 
+import copy
 import math
 import multiprocessing
 import numbers
@@ -94,7 +98,7 @@ def score_all(reward: Callable[[str, dict], Any], completions: Sequence[str], ex
     if getattr(reward, "batched", False):
         outcomes = _call_batched(reward, completions, examples, timeout_s)
     else:
-        outcomes = run_each(lambda i: reward(completions[i], examples[i]), len(completions),
+        outcomes = run_each(lambda i: reward(completions[i], own_copy(examples[i])), len(completions),
                             workers=workers, timeout_s=timeout_s, processes=processes)
     results = [_validate(value) if error is None else (None, error) for value, error in outcomes]
     return _collect(results, completions, on_error)
@@ -129,9 +133,17 @@ def _validate(value) -> Outcome:
     return {k: float(v) for k, v in parts.items()}, None
 
 
+def own_copy(example: dict) -> dict:
+    """A copy of `example` for one reward call. Its pictures (`images`, `videos`: read, never written, and large)
+    are shared, not copied."""
+    media = [value for key in ("images", "videos") for value in example.get(key) or ()]
+    return copy.deepcopy(example, {id(value): value for value in media})
+
+
 def _call_batched(reward, completions, examples, timeout_s) -> list[Outcome]:
     n = len(completions)
-    [(values, error)] = run_each(lambda _: reward(completions, examples), 1, workers=1, timeout_s=timeout_s)
+    [(values, error)] = run_each(lambda _: reward(completions, [own_copy(e) for e in examples]), 1, workers=1,
+                                 timeout_s=timeout_s)
     if error is None and (isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__")):
         error = f"a batched reward must return a list of {n} scores, got {type(values).__name__}"
     elif error is None and len(values) != n:

@@ -1,6 +1,7 @@
 """Where metrics rows go besides `session.metrics`: a JSONL file per run, TensorBoard, Weights & Biases.
 
-A sink has `write(row: dict)`, `resume(rows)` (a restored session goes on from these rows) and `close()`. Rows are flat dicts of numbers, one per step, with a "step".
+A sink has `write(row: dict)`, `resume(rows)` (a restored session goes on from these rows; nothing on disk changes
+before its next row) and `close()`. Rows are flat dicts of numbers, one per step, with a "step".
 JSONL is on by default; TensorBoard and wandb are optional packages, off unless asked for (`make_sinks`).
 """
 
@@ -23,10 +24,18 @@ class JsonlSink:
         self.path = Path(path).resolve()  # later chdir()s do not move the log
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._pending: list[dict] = []
+        self._resumed: list[dict] | None = None  # the rows a restored session goes on from, until its first new row
+
+    @property
+    def superseded(self) -> Path:
+        """Where rows that a restored run redoes are kept: `metrics.superseded.jsonl` beside the log."""
+        return self.path.with_name(f"{self.path.stem}.superseded.jsonl")
 
     def write(self, row: dict) -> None:
         """Append `row` (after any kept from a failed write); OSError naming the file and the steps kept when the
         write fails."""
+        if self._resumed is not None:
+            self._go_on_from(self._resumed)
         self._pending.append(row)
         self._flush()
 
@@ -50,12 +59,22 @@ class JsonlSink:
             os.close(fd)
 
     def resume(self, rows: list[dict]) -> None:
-        """Make the file hold exactly `rows` (a checkpoint's metrics): steps logged after that checkpoint,
-        by a run that crashed, are about to be redone."""
+        """Go on from `rows` (a checkpoint's metrics). The file is left as it is until the next row: a session
+        restored only to look changes nothing. Then it holds `rows` and the new row; the lines it held past `rows`
+        (steps logged after that checkpoint by a run that stopped, about to be redone) move to `superseded`,
+        appended, never lost."""
         self._pending.clear()
+        self._resumed = list(rows)
+
+    def _go_on_from(self, rows: list[dict]) -> None:
+        held = self.path.read_text().splitlines(keepends=True) if self.path.exists() else []
+        if held[len(rows):]:
+            with open(self.superseded, "a") as file:
+                file.writelines(held[len(rows):])
         partial = self.path.with_suffix(".jsonl.partial")
         partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
         os.replace(partial, self.path)
+        self._resumed = None
 
     def close(self) -> None:
         """Write the rows kept from failed writes (a warning names them if it fails again)."""

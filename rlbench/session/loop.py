@@ -8,6 +8,7 @@ The workers are reached through typed handles (`s.policy`, `s.sampler`, `s.score
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -36,7 +37,9 @@ from rlbench.workers.cluster import WorkerDied
 class Session:
     """A policy, a sampler, a task's reward and an algorithm, stepped by you or by `run()`."""
 
-    def __init__(self, config: Config | None = None, **overrides):
+    def __init__(self, config: Config | None = None, *, _restored: bool = False, **overrides):
+        """`_restored` is `restore()`'s: the session goes on with the run in its folder (any other session named as a
+        run whose folder holds one is a new run, `resume.fresh_run_name`)."""
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be an rl.Config or None, got {type(config).__name__}")
         settings, task, self.task_settings = preflight.task_settings(config, overrides)
@@ -50,6 +53,8 @@ class Session:
         self.identity = {"model": self.model_dir, "tokenizer": f"{type(self.tokenizer).__name__}, {len(self.tokenizer)} tokens",
                          "task": tasks.fingerprint(self.task)}
         """What the batches of this session carry (`meta["session"]`): its stages refuse another session's."""
+        if cfg.run_name and not _restored:  # a cell run again is a new run: never two in one folder
+            self.config = cfg = dataclasses.replace(cfg, run_name=resume.fresh_run_name(cfg.log_dir, cfg.run_name))
         self.state = SessionState(run_name=cfg.run_name or new_run_name(self.algorithm.name, cfg.seed),
                                   reward_kl=self.algorithm.reward_kl_controller() if self.algorithm.reward_kl_coef else None)
         # the run folder and the checkpoint folder are this session's alone while it is open (another live
@@ -401,7 +406,7 @@ class Session:
         are not touched (the loop draws nothing from them).
         """
         folder, state, record = resume.read(path)
-        session = cls(Config.from_record(record, **resume.settings(folder, state, record, overrides)))
+        session = cls(Config.from_record(record, **resume.settings(folder, state, record, overrides)), _restored=True)
         try:
             resume.load(session, folder, state)
         except BaseException:

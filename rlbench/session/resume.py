@@ -7,8 +7,9 @@ the sampler's weights when they lag the policy's, `sampler.pt`; the batch sample
 (`config.json`), the `SessionState` (`session.pt`) and the manifest (`manifest.json`: every part, the run, the model
 and its adapter), which the damage check reads.
 
-A folder belongs to its run: saves of other runs into its root are refused, and a session restored from a checkpoint
-that later ones of its run follow is a branch, a run of its own (`settings`).
+A folder belongs to its run: saves of other runs into its root are refused, a new session named as a run whose
+folder holds an earlier run is a run of its own (`fresh_run_name`), and a session restored from a checkpoint that later
+ones of its run follow is a branch, a run of its own (`settings`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,14 @@ def settings(folder: Path, state: SessionState, record: dict, overrides: dict) -
     step, run = checkpoints.step_of(folder), state.run_name
     later = [f for f in checkpoints.step_dirs(folder.parent) if checkpoints.step_of(f) > step
              and checkpoints.run_of(f) in (None, run) and checkpoints.damage(f) is None]
-    if not later or "run_name" in overrides:
+    if overrides.get("run_name", run) != run:  # a run of its own, in a folder of its own
+        log_dir = overrides.get("log_dir", record.get("log_dir"))
+        return overrides | {"run_name": fresh_run_name(log_dir and str(log_dir), overrides["run_name"])}
+    if later and "run_name" in overrides:
+        raise ValueError(f"restore: run_name={run!r} would go on from step {step} in run {run}'s own folder, over its "
+                         f"later checkpoints (up to {later[-1].name}) and their metrics: leave run_name out (the "
+                         f"session is then a branch, {run}-from-{step}, and the later ones stay) or pick another name")
+    if not later:
         return {"run_name": run} | overrides
     branch = {"run_name": _unused(f"{run}-from-{step}", lambda name: record.get("log_dir") and
                                   Path(record["log_dir"], name).exists())}
@@ -65,6 +73,24 @@ def settings(folder: Path, state: SessionState, record: dict, overrides: dict) -
                   + (f" (checkpoints in {branch['save_dir']})" if "save_dir" in branch else "")
                   + f"; run {run}'s later checkpoints and metrics stay as they are", stacklevel=3)
     return branch | overrides
+
+
+def fresh_run_name(log_dir: str | None, name: str) -> str:
+    """`name`, or when its folder under `log_dir` already holds a run (a metrics log, checkpoints), the first of
+    `name-2`, `name-3`, ... that holds none, with a warning naming both and the way to go on with the earlier run:
+    a cell run again never mixes two runs in one folder."""
+    def holds_a_run(candidate: str) -> bool:
+        folder = Path(log_dir, candidate)
+        log = folder / "metrics.jsonl"
+        return (log.is_file() and log.stat().st_size > 0) or bool(checkpoints.step_dirs(folder / "checkpoints"))
+
+    if log_dir is None or not holds_a_run(name):
+        return name
+    fresh = _unused(name, holds_a_run)
+    warnings.warn(f"run folder {Path(log_dir, name)} holds an earlier run: this session is run {fresh!r} "
+                  f"({Path(log_dir, fresh)}); to go on with the earlier one, "
+                  f"rl.Session.restore({str(Path(log_dir, name, 'checkpoints'))!r})", stacklevel=3)
+    return fresh
 
 
 def _unused(name: str, taken) -> str:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import reprlib
 from collections.abc import Callable
 
 from rlbench.agents.parsers import HermesParser
@@ -61,13 +62,24 @@ def names() -> list[str]:
     return list(_BUILTINS)
 
 
+def _brief(value) -> str:
+    """A repr of `value` cut short (a list of a whole data set would fill a screen)."""
+    brief = reprlib.Repr()
+    brief.maxlist = brief.maxdict = 2
+    brief.maxstring = brief.maxother = 40
+    return brief.repr(value)
+
+
 def get(task: str | Task, **kwargs) -> Task:
     """A built-in task by name (kwargs go to its factory); a Task instance is returned as is."""
     if not isinstance(task, str):
         if kwargs:
-            raise TypeError(f"options {sorted(kwargs)} only apply to a task given by name, not to {task!r}")
+            raise TypeError(f"options {sorted(kwargs)} only apply to a task given by name, not to "
+                            f"{_brief(task)}")
         if not isinstance(task, (Task, AgentTask)):
-            raise TypeError(f"{task!r} is not a Task: it needs name, train, test, truncated_reward and reward()")
+            raise TypeError(f"task= got a {type(task).__name__}, {_brief(task)}: a task is a built-in task's "
+                            f"name ({', '.join(names())}) or an object with name, train, test, truncated_reward and "
+                            f"reward() (rl.tasks.Task; examples in a file: rl.tasks.from_jsonl)")
         return task
     return factory(task)(**kwargs)
 

@@ -31,10 +31,11 @@ SYSTEM = ("Solve the problem step by step. You may use the python tool to comput
 def tool_math(train: str, test: str | float | int | None = None, *, max_turns: int = 4, timeout_s: float = 5.0,
               memory_mb: int = 1024, max_output_chars: int = 2000, system: str = SYSTEM,
               max_context_tokens: int | None = None, seed: int = 0, shuffle: bool = True,
-              name: str = "tool_math") -> AgentTask:
+              name: str = "tool_math", duplicates: str = "refuse") -> AgentTask:
     """An `AgentTask` over a verl-schema `.parquet` / `.jsonl` file (`test`: another file, or a fraction / number
     of `train`'s rows to hold out, as `rl.tasks.from_parquet` reads them; rows need a `data_source` with a
-    built-in grader and a `reward_model.ground_truth`), with the python tool.
+    built-in grader and a `reward_model.ground_truth`; `duplicates`: repeated prompts, and training prompts the test
+    set holds, as `from_parquet` takes them), with the python tool.
 
     max_turns: assistant turns per episode (a call in the last one is not run); timeout_s, memory_mb,
     max_output_chars: the tool's limits (`rl.agents.python_tool`); max_context_tokens: most tokens of an
@@ -42,7 +43,7 @@ def tool_math(train: str, test: str | float | int | None = None, *, max_turns: i
     """
     reader = from_jsonl if str(train).endswith(".jsonl") else from_parquet
     rows = reader(os.path.expanduser(train), test=os.path.expanduser(test) if isinstance(test, str) else test,
-                  seed=seed, shuffle=shuffle)
+                  seed=seed, shuffle=shuffle, duplicates=duplicates)
     tool = python_tool(timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars)
     # tool_timeout_s=None: the sandbox's own wall-clock limit ends every run, and a call may first wait for a
     # free sandbox slot (python_tool's max_concurrent), which a pool limit would count as the tool's time
