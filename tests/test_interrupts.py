@@ -331,13 +331,14 @@ UPDATER = textwrap.dedent("""
         print("interrupted:", error, flush=True)
     held["until"] = None
     twin.update(batch)  # the same update, not interrupted
-    ours, theirs = s.update(batch), twin.update(batch)  # the attack: a cut update left its gradients to this one
+    # (both again on the batch each trained on): the attack was a cut update that left its gradients to this one
+    ours, theirs = s.update(batch, again=True), twin.update(batch, again=True)
     weights, twin_weights = s.policy.state_dict(), twin.policy.state_dict()
     print(json.dumps(dict(grad_norms=[ours["grad_norm"], theirs["grad_norm"]],
                           same_weights=all(torch.equal(weights[k], twin_weights[k]) for k in weights))), flush=True)
     updating("go-2")  # (never there: the second Ctrl-C stops the update)
     try:
-        s.update(batch)
+        s.update(batch, again=True)
     except rl.interrupts.StepAborted as error:
         print("aborted:", error, flush=True)
     for stage in (lambda: s.update(batch), s.step, s.save):

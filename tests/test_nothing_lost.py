@@ -1,8 +1,10 @@
-"""A notebook user's habits, as attacks on the run folder: a cell run again, a restore only to look, a restore from an
-earlier step under the run's own name. Each asserts that nothing on disk is lost or mixed."""
+"""A notebook user's habits, as attacks (issue 69): a cell run again, a restore only to look, a restore from an earlier
+step under the run's own name, files with bad rows, a reward that writes into its example, steps by hand, a second
+call while a background run trains. Each asserts the careful behaviour: nothing lost, nothing mixed, a clear error."""
 
 import copy
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,50 @@ def test_a_reward_that_writes_into_its_example_changes_neither_the_task_nor_the_
     seen = []
     rl.rewards.score_all(lambda c, e: seen.append(e) or 1.0, ["a", "b"], [{"images": pictures, "n": [1]}] * 2)
     assert seen[0]["images"][0] is pictures[0] and seen[0]["n"] is not seen[1]["n"]
+
+
+# -------------------------------------------------------------------------------------------- hand steps
+def test_hand_steps_are_counted_logged_and_saved_under_their_own_steps():
+    """The attack: the README's four cells left step_count 0 and no metrics row; two hand steps both saved to
+    step-000000, the second over the first; `update(batch)` run twice on one batch (Shift-Enter twice) trained on it
+    again, silently."""
+    with rl.Session(**SMALL, run_name="by-hand") as s:
+        saved = []
+        for _ in range(2):
+            batch = s.advantage(s.score(s.rollout()))
+            s.update(batch)
+            saved.append(s.save().name)
+        with pytest.raises(ValueError, match=r"this batch already trained the policy, at step 1"):
+            s.update(batch)
+        assert s.step_count == 2 and saved == ["step-000001", "step-000002"]
+    assert steps_logged(Path("runs/by-hand")) == [0, 1]
+    with rl.Session.restore("runs/by-hand/checkpoints") as restored:
+        assert restored.step_count == 2
+
+
+# ------------------------------------------------------------------------------------------ one call at a time
+def test_a_second_call_while_a_background_run_trains_is_refused_saying_how_to_wait_or_stop():
+    """The attack: while `run()` trained in a background thread (the dashboard's way), another cell's `s.step()` or
+    `s.evaluate()` was accepted; the two shared the sampler's decoder cache (the run died in 2 of 4 trials, and one
+    recorded step trained on a corrupted rollout)."""
+    with rl.Session(**SMALL, log_dir=None) as s:
+        inside, tried = threading.Event(), threading.Event()
+
+        def hold(session, row):  # the run's first step is recorded; its thread waits here for the other calls
+            inside.set()
+            assert tried.wait(60)
+
+        s.callbacks.append(hold)
+        run = threading.Thread(target=lambda: s.run(3, progress=False), name="background-run")
+        run.start()
+        assert inside.wait(120)
+        for call in (s.step, s.evaluate, s.rollout, lambda: s.save("elsewhere")):
+            with pytest.raises(RuntimeError, match=r": the session is busy with run\(\) in thread 'background-run' "
+                                                   r".* session.request_stop\(\)"):
+                call()
+        s.request_stop()
+        tried.set()
+        run.join(120)
+        assert not run.is_alive() and s.step_count == 1  # it stopped after the step in progress
+        s.callbacks.clear()
+        assert s.step()["step"] == 1  # the session is free again

@@ -52,14 +52,23 @@ def test_stages_one_by_one(session):
     assert {"loss", "pg_loss", "kl_loss", "entropy", "grad_norm", "lr"} <= set(stats)
     # float32 values as their shortest decimals (0.36, not 0.36000001430511475), which have at most 9 digits
     assert all(value == float(f"{value:.9g}") for value in stats.values()), stats
-    assert session.step_count == 0  # the single stages do not count as a step
+    assert session.step_count == 1 and session.metrics["step"].tolist() == [0]  # an update by hand is a step
+    assert session.history[0]["loss"] == stats["loss"] and session.history[0]["time_rollout"] > 0
+    with pytest.raises(ValueError, match=r"update: this batch already trained the policy, at step 0: training on it "
+                                         r"again is another epoch .* pass again=True"):
+        session.update(batch)  # the cell run twice
+    with pytest.raises(ValueError, match="already trained the policy, at step 0"):
+        session.update(session.advantage(batch))  # advantages again: the same samples
+    session.update(batch, again=True)
+    assert session.step_count == 2
 
 
 def test_run_metrics_and_evaluate(session):
+    first = session.step_count  # (the module's session: the steps by hand before)
     metrics = session.run(steps=2, progress=False)
     expected = {"step", "reward_mean", "accuracy", "loss", "kl_loss", "entropy", "grad_norm", "response_length",
                 "sampler_mismatch_mean", "time_rollout", "time_score", "time_advantage", "time_update", "time_sync"}
-    assert expected <= set(metrics.columns) and metrics["step"].tolist() == [0, 1]
+    assert expected <= set(metrics.columns) and metrics["step"].tolist() == list(range(first + 2))
     assert metrics["sampler_mismatch_max"].max() < 1e-4  # the weight sync worked
     result = session.evaluate(max_prompts=20)
     assert set(result) == {"greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward"}

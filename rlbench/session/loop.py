@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import time
 import warnings
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from rlbench.runs.progress import bar as progress_bar
 from rlbench.runs.sinks import make_sinks
 from rlbench.samplers import SamplingParams
 from rlbench.session import interrupts, preflight, resume, sources
+from rlbench.session.calls import Calls, one_at_a_time
 from rlbench.session.metrics import accuracy, alarms, at_k, batch_metrics
 from rlbench.session.state import SessionState, mix
 from rlbench.workers.build import start_workers
@@ -87,6 +89,9 @@ class Session:
         self._timings: dict[str, float] = {}
         self._tokens_generated = 0  # response tokens sampled since the step began (extra rounds, baselines too)
         self._alarmed: set[str] = set()  # the kinds of `alarms` already warned of (once each per session)
+        self._mark = secrets.token_hex(8)  # this session's mark on the batches it trained on (`update`)
+        self.calls = Calls()
+        """Which thread is inside this session's calls: one at a time (`rlbench/session/calls.py`)."""
 
     # the workers, by handle (`self.workers` holds them all; a worker restart, `run(retries=...)`, makes new ones)
     policy = property(lambda self: self.workers.policy, doc="The policy's ranks (`rl.workers.PolicyHandle`).")
@@ -117,6 +122,7 @@ class Session:
         self.close()
 
     # ------------------------------------------------------------------------- the four stages
+    @one_at_a_time
     def rollout(self) -> Batch:
         """A new batch to train on, sampled and not scored: `prompts_per_step` prompts, `samples_per_prompt`
         completions (or episodes) of each.
@@ -143,6 +149,7 @@ class Session:
         """Add the tokens of a batch sampled elsewhere (rl.Async's rollout workers) to the step's `tokens_generated`."""
         self._tokens_generated += int(batch["response_mask"].sum())
 
+    @one_at_a_time
     def score(self, batch: Batch) -> Batch:
         """Add the task's `score` [B] (and its named components, e.g. `acc`, listed in `meta["reward_components"]`),
         `reward_error` per sample, and `reward` [B]: the score plus the algorithm's shaping (DAPO's overlong
@@ -158,6 +165,7 @@ class Session:
                 scored, reward_B = scored.with_columns(overlong_penalty=penalty_B), reward_B + penalty_B
             return scored.with_columns(reward=reward_B)
 
+    @one_at_a_time
     def advantage(self, batch: Batch) -> Batch:
         """Add `old_logp`, and what the algorithm declares it needs (`ref_logp`, critic `values`, rollout
         correction weights), the teacher's `teacher_logp` with a teacher (and `teacher_topk_logp` / `teacher_topk_ids`
@@ -206,16 +214,33 @@ class Session:
             return batch.with_columns(**columns, token_rewards=rewards_B_T, advantages=advantages_B_T,
                                       returns=returns_B_T).with_meta(**meta)
 
-    def update(self, batch: Batch, *, sync: bool = True) -> dict[str, float]:
+    @one_at_a_time
+    def update(self, batch: Batch, *, sync: bool = True, again: bool = False) -> dict[str, float]:
         """Optimizer step(s) over the batch (and the critic's, if any), then push the new weights to the
         sampler (unless `sync=False`); returns the metrics averaged over optimizer steps. A batch with fewer
         than `world_size x mini_batches_per_step` rows (under tensor parallel, data-parallel groups instead of ranks;
         dynamic sampling kept few groups) takes fewer steps.
+
+        An update by hand is a step, as `step()`'s is: it counts (`step_count`), its metrics row is logged (with the
+        hand-run stages' timings) and the callbacks see it, so that a `save()` after it is its own step's. A batch
+        that already trained the policy is refused (a cell run twice would train on it again, on samples older
+        weights drew) unless `again`.
         Ctrl-C finishes the update, then stops; twice within a second stops it at once, and the session then refuses
         to go on (update, step, save), as after a step stopped midway: see `rl.interrupts`."""
+        start = time.perf_counter()
+        stats = self._update(batch, sync=sync, again=again)
+        self._record(batch, stats, time.perf_counter() - start)
+        return stats
+
+    def _update(self, batch: Batch, *, sync: bool, again: bool = False) -> dict[str, float]:
         if self._aborted is not None:  # (a stopped update may have left gradients that the next one would add to)
             raise RuntimeError(f"update: {self._aborted}")
         self._check_origin(batch, "update")
+        trained_at = batch.meta.get("trained_at", {}).get(self._mark)
+        if trained_at is not None and not again:
+            raise ValueError(f"update: this batch already trained the policy, at step {trained_at}: training on it "
+                             f"again is another epoch on samples that older weights drew. Roll out a new one "
+                             f"(s.rollout()), or pass again=True to train on it once more")
         cfg = self.config
         # dynamic sampling may keep fewer rows than planned: then fewer mini-batches, each with a row per rank
         minis = min(cfg.mini_batches_per_step, len(batch) // cfg.data_parallel)
@@ -237,6 +262,8 @@ class Session:
                 self.state.reward_kl.update(batch.meta["reward_kl"], len(batch))
             self.state.policy_version += 1
             self.state.sampler_synced = False
+            # (the batches made from it carry it too; another session may still train on it)
+            batch.meta["trained_at"] = batch.meta.get("trained_at", {}) | {self._mark: self.state.step_count}
             if sync:
                 self.sync_weights()
             return metrics
@@ -267,6 +294,7 @@ class Session:
         self.state.sampler_synced = True
 
     # --------------------------------------------------------------------------------- the loop
+    @one_at_a_time
     def step(self) -> dict:
         """One RL iteration, `update(advantage(score(rollout())))`; appends and returns its row of `metrics`.
         rl.Overlap: the batch it trains on was rolled out and scored during the previous step;
@@ -292,10 +320,11 @@ class Session:
         start = time.perf_counter()
         batch = self.advantage(self.source.next_batch())
         with self.source.during_update():  # rl.Overlap: the next batch is sampled by these weights meanwhile
-            stats = self.update(batch, sync=False)
+            stats = self._update(batch, sync=False)
         self.sync_weights()
         return self._record(batch, stats, time.perf_counter() - start)
 
+    @one_at_a_time
     def collect(self) -> Batch:
         """A scored batch for one step: `score(rollout())`, informative groups only under dynamic sampling."""
         batch = self.score(self.rollout())
@@ -308,6 +337,7 @@ class Session:
         self.state.history.append(row)
         self.state.step_count += 1
         self.last_batch = batch
+        self._timings, self._tokens_generated = {}, 0  # the next step's, by hand or not, start now
         unwritten = None
         for sink in self.sinks:
             try:
@@ -324,6 +354,7 @@ class Session:
                                            f"log is behind: {unwritten.strerror or unwritten}. Make room and go on") from unwritten
         return row
 
+    @one_at_a_time
     def run(self, steps: int, *, progress: bool = True, retries: int = 0):
         """`steps` more iterations with a progress bar, saving a checkpoint every `save_every` steps;
         returns `metrics`.
@@ -374,6 +405,7 @@ class Session:
         self._stop_requested = True
 
     # ------------------------------------------------------------------------------ checkpoints
+    @one_at_a_time
     def save(self, path: str | os.PathLike | None = None, *, keep_last: int | None = None) -> Path:
         """Checkpoint everything a resumed run needs into PATH/step-NNNNNN (PATH: `save_dir`) and return it.
 
@@ -420,6 +452,7 @@ class Session:
             raise ValueError("no place for checkpoints: pass save(path), or set save_dir (or log_dir)")
         return Path(cfg.save_dir) if cfg.save_dir is not None else Path(cfg.log_dir) / self.state.run_name / "checkpoints"
 
+    @one_at_a_time
     def export(self, path: str | os.PathLike, *, adapter: bool = False) -> Path:
         """The policy's current weights as a Hugging Face model folder (config, safetensors, tokenizer; a
         vision-language model's image processor too), loadable by `AutoModelForCausalLM.from_pretrained`, vLLM, and
@@ -457,11 +490,13 @@ class Session:
 
         return viz.Dashboard(self, **kwargs)
 
+    @one_at_a_time
     def complete(self, texts: list[str], *, max_new_tokens: int | None = None) -> list[str]:
         """Greedy completions of text prompts by the current policy (e.g. `rl.rewards.LLMJudge(generate=...)`)."""
         params = SamplingParams.of(self.config, greedy=True, max_new_tokens=max_new_tokens)
         return self.sampler.generate(texts, params)["completion"] if texts else []
 
+    @one_at_a_time
     def evaluate(self, *, max_prompts: int | None = None, samples: int | None = None, progress: bool = False,
                  examples: Sequence[dict] | None = None) -> dict[str, float]:
         """Held-out accuracy and mean reward, greedy and sampled (`eval_samples` per prompt); with `samples=k`, k
@@ -498,6 +533,7 @@ class Session:
                 self._alarmed.add(kind)
                 warnings.warn(message, stacklevel=stacklevel)
 
+    @one_at_a_time
     def episode(self, example: dict | None = None, *, greedy: bool = False):
         """A new episode of an agentic task to step by hand (`rl.agents.EpisodeHandle`): `ep.step()` samples a turn
         (with its tool calls), `ep.pending_tool_calls` can be edited, the next `ep.step()` runs the tools and
