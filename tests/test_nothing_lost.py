@@ -231,3 +231,37 @@ def test_a_second_call_while_a_background_run_trains_is_refused_saying_how_to_wa
         assert not run.is_alive() and s.step_count == 1  # it stopped after the step in progress
         s.callbacks.clear()
         assert s.step()["step"] == 1  # the session is free again
+
+
+# ---------------------------------------------------------------------------------------- what a restore changes
+def test_a_restore_that_changes_what_is_trained_says_so_and_records_it():
+    """The attack: restoring with another seed, another dataset of the same size or another algorithm continued the
+    same run and log with no warning and no record; with a new seed mid-epoch, 10 of 40 examples were drawn twice in
+    the epoch."""
+    examples = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(10, 50)]  # 40: an epoch is 5 steps of 8
+    task = rl.tasks.DataTask("doubles", train=tuple(examples), test=tuple(examples[:4]),
+                             reward=lambda completion, example: float(completion == example["answer"]))
+    settings = SMALL | dict(task=task, prompts_per_step=8, samples_per_prompt=2, run_name="doubles")
+    drawn = []
+    with rl.Session(**settings) as s:
+        for _ in range(2):  # 16 of the epoch's 40 examples
+            drawn += [e["prompt"] for e in s.rollout()["example"][::2]]
+        s.save()
+    other = rl.tasks.DataTask("doubles", train=tuple(dict(e, answer="0") for e in examples), test=task.test,
+                              reward=task.reward)
+    with pytest.warns(UserWarning, match=r"restored step 0 of run doubles with other settings than its checkpoint's: "
+                                         r"seed 0 -> 1; lr 0.0001 -> 0.0003; task data '.*' -> '.*'\. The run goes on "
+                                         r"with them, and records them .*: the data order takes the new seed from the "
+                                         r"next epoch on"):
+        restored = rl.Session.restore("runs/doubles/checkpoints", task=other, seed=1, lr=3e-4)
+    with restored:
+        assert [(c["setting"], c["from"], c["to"]) for c in restored.state.changes][:2] == [("seed", 0, 1),
+                                                                                          ("lr", 1e-4, 3e-4)]
+        for _ in range(3):  # the rest of the first epoch: 24 more examples, none drawn before in it
+            drawn += [e["prompt"] for e in restored.rollout()["example"][::2]]
+        folder = restored.save()
+    assert sorted(drawn) == sorted(e["prompt"] for e in examples)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [c["setting"] for c in manifest["changes"]] == ["seed", "lr", "task data"]
+    with rl.Session.restore(folder, task=other) as again:  # the settings it was saved with: nothing new to say
+        assert len(again.state.changes) == 3

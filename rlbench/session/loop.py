@@ -9,8 +9,10 @@ The workers are reached through typed handles (`s.policy`, `s.sampler`, `s.score
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -120,6 +122,11 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @functools.cached_property
+    def data_digest(self) -> str:
+        """A hash of every example of the task (`rl.tasks.digest`): what a checkpoint records of the run's data."""
+        return tasks.digest(self.task)
 
     # ------------------------------------------------------------------------- the four stages
     @one_at_a_time
@@ -346,7 +353,7 @@ class Session:
                 unwritten = error
         for callback in self.callbacks:
             callback(self, row)
-        self._alarm(alarms(batch, f"step {row['step']}", self.config.max_new_tokens), stacklevel=5)  # step()'s caller
+        self._alarm(alarms(batch, f"step {row['step']}", self.config.max_new_tokens))
         if stats["skipped"]:
             self.state.record_skipped(stats, self.config.max_skipped_updates)
         if unwritten is not None:
@@ -441,6 +448,7 @@ class Session:
         session = cls(Config.from_record(record, **resume.settings(folder, state, record, overrides)), _restored=True)
         try:
             resume.load(session, folder, state)
+            resume.record_changes(session, folder, record)
         except BaseException:
             session.close()
             raise
@@ -519,19 +527,23 @@ class Session:
             for mode, params in progress_bar([("greedy", greedy), ("sampled", sampled)], desc=f"{self.run_name} evaluate",
                                              disable=not progress):
                 scored = self.score(self.sample(examples, params))
-                self._alarm(alarms(scored, f"evaluate ({mode})", cfg.max_new_tokens), stacklevel=3)
+                self._alarm(alarms(scored, f"evaluate ({mode})", cfg.max_new_tokens))
                 result[f"{mode}_accuracy"] = algorithms.to_float(accuracy(scored).mean())
                 result[f"{mode}_reward"] = algorithms.to_float(scored["score"].mean())
         if samples is not None:
             result |= at_k(scored, len(examples))
         return result
 
-    def _alarm(self, found: dict[str, str], stacklevel: int) -> None:
-        """Warn of each kind of `metrics.alarms` once per session (`stacklevel`: the user's frame, which warns)."""
+    def _alarm(self, found: dict[str, str]) -> None:
+        """Warn of each kind of `metrics.alarms` once per session, at the first caller outside rlbench (a cell's
+        `s.step()`, `s.update(batch)` or `s.run()`, however deep the session's own calls go)."""
+        package, frame, level = str(Path(__file__).parents[1]), sys._getframe(0), 1
+        while frame is not None and frame.f_code.co_filename.startswith(package):
+            frame, level = frame.f_back, level + 1
         for kind, message in found.items():
             if kind not in self._alarmed:
                 self._alarmed.add(kind)
-                warnings.warn(message, stacklevel=stacklevel)
+                warnings.warn(message, stacklevel=level)
 
     @one_at_a_time
     def episode(self, example: dict | None = None, *, greedy: bool = False):

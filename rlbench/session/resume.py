@@ -29,7 +29,8 @@ from rlbench.workers.build import start_workers
 def save(session, root: Path, keep_last: int) -> Path:
     """Write `session`'s checkpoint under `root` (keeping the newest `keep_last` of its run); return its folder."""
     step, cfg = session.state.step_count, session.config
-    about = {"model": session.model_dir, "lora": cfg.lora.to_dict() if cfg.lora else None}
+    about = {"model": session.model_dir, "lora": cfg.lora.to_dict() if cfg.lora else None,
+             "data": session.data_digest, "changes": session.state.changes}
     with checkpoints.writing(root, step, keep_last=keep_last, run=session.state.run_name, about=about) as folder:
         for name, handle in session.workers.trained().items():
             handle.save_checkpoint(str(folder / name))
@@ -91,6 +92,31 @@ def fresh_run_name(log_dir: str | None, name: str) -> str:
                   f"({Path(log_dir, fresh)}); to go on with the earlier one, "
                   f"rl.Session.restore({str(Path(log_dir, name, 'checkpoints'))!r})", stacklevel=3)
     return fresh
+
+
+def record_changes(session, folder: Path, saved: dict) -> None:
+    """What `session`, restored from `folder`, changed from the checkpoint's settings (`saved`, its config record):
+    every Config field that differs (the run name and checkpoint folder a branch takes aside), another model folder,
+    other task data (its fingerprint). Warned of, and kept in `session.state.changes` (every later checkpoint's
+    session.pt and manifest.json). A changed seed takes effect on the data order at the next epoch."""
+    step, now = session.state.step_count, session.config.to_record()
+    objects = [name for name, value in now.items() if "python_object" in str(value) and "python_object" in str(saved.get(name))]
+    changed = [(name, saved.get(name), value) for name, value in now.items()  # (objects: by what they hold, below)
+               if name not in ("run_name", "save_dir", *objects) and saved.get(name) != value]
+    manifest = json.loads((folder / checkpoints.MANIFEST).read_text())
+    for name, key, value in (("model folder", "model", session.model_dir), ("task data", "data", session.data_digest)):
+        if manifest.get(key) is not None and manifest[key] != value:
+            changed.append((name, manifest[key], value))
+    if not changed:
+        return
+    session.state.changes.extend({"step": step, "setting": name, "from": old, "to": new} for name, old, new in changed)
+    if saved.get("seed") != session.config.seed:
+        session.state.reseed(saved["seed"], session.config.seed, len(session.task.train))
+    warnings.warn(f"restored step {step} of run {session.run_name} with other settings than its checkpoint's: "
+                  + "; ".join(f"{name} {old!r} -> {new!r}" for name, old, new in changed)
+                  + ". The run goes on with them, and records them (session.state.changes, in its later checkpoints)"
+                  + (": the data order takes the new seed from the next epoch on" if saved.get("seed") != session.config.seed
+                     else ""), stacklevel=3)
 
 
 def _unused(name: str, taken) -> str:

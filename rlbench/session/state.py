@@ -40,20 +40,35 @@ class SessionState:
     """The KL-in-reward coefficient β (PPO's way), when the algorithm has one."""
     sampler_synced: bool = True
     """Whether the sampler holds the policy's current weights (False after `update(sync=False)`)."""
+    changes: list[dict] = field(default_factory=list)
+    """What restores changed from the checkpoint they went on from: {"step", "setting", "from", "to"} each."""
+    order_seeds: list[list[int]] = field(default_factory=list)
+    """[first epoch, seed] of each data order after a restore changed the seed (empty: the run's seed throughout)."""
     _order: tuple[int, list[int]] = field(default=(-1, []), repr=False, compare=False)
     """Cache: (epoch, its shuffled example indices)."""
 
     def next_examples(self, train: Sequence[dict], n: int, seed: int) -> list[dict]:
-        """The next `n` training examples in a seeded order, reshuffled each epoch; advances the data position."""
+        """The next `n` training examples in a seeded order, reshuffled each epoch; advances the data position.
+        An epoch's order comes from `seed`, or from the seed it began under when a restore changed it since
+        (`order_seeds`): an epoch never mixes two orders, so no example is drawn twice in it."""
         out = []
         for position in range(self.examples_seen, self.examples_seen + n):
             epoch, index = divmod(position, len(train))
             if self._order[0] != epoch:
-                generator = torch.Generator().manual_seed(mix(seed, epoch))
+                epoch_seed = next((s for first, s in reversed(self.order_seeds) if first <= epoch), seed)
+                generator = torch.Generator().manual_seed(mix(epoch_seed, epoch))
                 self._order = (epoch, torch.randperm(len(train), generator=generator).tolist())
             out.append(train[self._order[1][index]])
         self.examples_seen += n
         return out
+
+    def reseed(self, old: int, new: int, train_size: int) -> None:
+        """A restore changed the run's seed from `old` to `new`: the epoch in progress keeps `old`'s order, the
+        next ones take `new`'s."""
+        epoch, index = divmod(self.examples_seen, train_size)
+        if not self.order_seeds:
+            self.order_seeds.append([0, old])
+        self.order_seeds.append([epoch + (index > 0), new])
 
     def record_skipped(self, stats: dict, limit: int) -> None:
         """Record that the last step's optimizer step was skipped for non-finite numbers (warn); raise

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import reprlib
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ from rlbench.tasks import tool_math
 
 __all__ = [
     "AgentTask", "Arithmetic", "Countdown", "DataTask", "ListTask", "Multiplication", "Reverse", "Shapes", "Sort", "Task", "check_row",
-    "check_pictures", "check_prompts", "convert_files", "convert_main", "encode_prompt", "factory", "fingerprint", "from_jsonl", "from_parquet", "get", "has_images", "limit_prompt_tokens", "longest_prompt_tokens", "names",
+    "check_pictures", "check_prompts", "convert_files", "convert_main", "digest", "encode_prompt", "factory", "fingerprint", "from_jsonl", "from_parquet", "get", "has_images", "limit_prompt_tokens", "longest_prompt_tokens", "names",
     "prompt_tokens", "read_records", "read_rows", "render_prompt", "settings_of", "shuffled", "split", "write_rows",
 ]
 
@@ -98,6 +99,24 @@ def settings_of(task: Task) -> dict:
         raise TypeError(f"task {getattr(task, 'name', task)!r}: settings must be a dict of Session settings, "
                         f"got {type(settings).__name__}")
     return dict(settings)
+
+
+def digest(task: Task) -> str:
+    """A hash of every example of the task, train and test (prompts, answers, the pixels of pictures): what a
+    checkpoint records of its data, so that a restore onto other data of the same size is told."""
+    hasher = hashlib.sha256()
+    for split in (task.train, task.test):
+        for example in split:
+            hasher.update(json.dumps(example, sort_keys=True, default=_hashable).encode())
+    return hasher.hexdigest()[:16]
+
+
+def _hashable(value) -> str:
+    """A JSON stand-in for a value JSON cannot hold: the hash of its bytes (a picture, a tensor), else its repr."""
+    raw = value if isinstance(value, bytes) else getattr(value, "tobytes", None)
+    if raw is not None:
+        return hashlib.sha256(raw if isinstance(raw, bytes) else raw()).hexdigest()
+    return repr(value)
 
 
 def fingerprint(task: Task) -> str:
