@@ -180,7 +180,8 @@ def gsm8k_task(tmp: str):
     sample = REPO / "datasets/samples/gsm8k.jsonl"
     subprocess.run([sys.executable, str(REPO / "datasets/prepare_gsm8k.py"), "--train", str(sample), "--test",
                     str(sample), "--out", f"{tmp}/gsm8k"], check=True, capture_output=True)
-    return rl.tasks.from_parquet(f"{tmp}/gsm8k/train.parquet", test=f"{tmp}/gsm8k/test.parquet")
+    return rl.tasks.from_parquet(f"{tmp}/gsm8k/train.parquet", test=f"{tmp}/gsm8k/test.parquet",
+                                 duplicates="keep")  # (one sample as both sets, on purpose)
 
 
 MISMATCH = ("sampler_mismatch_mean", "sampler_mismatch_max", "sampler_kl", "sampler_kl_k3", "sampler_ratio_min",
