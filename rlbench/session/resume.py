@@ -100,7 +100,7 @@ def record_changes(session, folder: Path, saved: dict) -> None:
     other task data (its fingerprint). Warned of, and kept in `session.state.changes` (every later checkpoint's
     session.pt and manifest.json). A changed seed takes effect on the data order at the next epoch."""
     step, now = session.state.step_count, session.config.to_record()
-    objects = [name for name, value in now.items() if "python_object" in str(value) and "python_object" in str(saved.get(name))]
+    objects = [name for name, value in now.items() if _is_object(value) and _is_object(saved.get(name))]
     changed = [(name, saved.get(name), value) for name, value in now.items()  # (objects: by what they hold, below)
                if name not in ("run_name", "save_dir", *objects) and saved.get(name) != value]
     manifest = json.loads((folder / checkpoints.MANIFEST).read_text())
@@ -117,6 +117,11 @@ def record_changes(session, folder: Path, saved: dict) -> None:
                   + ". The run goes on with them, and records them (session.state.changes, in its later checkpoints)"
                   + (": the data order takes the new seed from the next epoch on" if saved.get("seed") != session.config.seed
                      else ""), stacklevel=3)
+
+
+def _is_object(value) -> bool:
+    """Whether a config record's value stands for a Python object (`Config.to_record`: its repr, not comparable)."""
+    return isinstance(value, dict) and "python_object" in value
 
 
 def _unused(name: str, taken) -> str:
